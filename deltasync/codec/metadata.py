@@ -1,0 +1,192 @@
+"""File metadata: the typed record behind the string `__metadata__` of every file we write."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from ..digest import DIGEST_ALGORITHM
+from ..errors import FormatError
+
+__all__ = ["PROTOCOL", "FileMetadata", "TensorEntry", "validate_run_id"]
+
+PROTOCOL = "deltasync/1"
+Kind = Literal["anchor", "delta"]
+Encoding = Literal["full", "coo", "packed"]
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_HEX128 = re.compile(r"[0-9a-f]{32}")
+_MAX_VERSION = 2**53
+
+
+def validate_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+        raise FormatError(
+            f"invalid run id {run_id!r}: use 1-64 characters of letters, digits, '.', '_', '-'"
+        )
+    return run_id
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Per-tensor facts every file carries: the full shape, the post-update digest, changes."""
+
+    shape: tuple[int, ...]
+    digest: str | None
+    changed: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class FileMetadata:
+    """What a reader needs to decode and check a file, parsed from string metadata in one place.
+
+    `legacy` marks a TRL v1 file (no run id, no base version, no digests): it is only applied when
+    the caller explicitly accepts unverified files.
+    """
+
+    run_id: str | None
+    version: int
+    base_version: int | None
+    kind: Kind
+    encoding: Encoding
+    tensors: dict[str, TensorEntry]
+    legacy: bool = False
+
+    @property
+    def total_elements(self) -> int:
+        return sum(e.numel for e in self.tensors.values())
+
+    @property
+    def changed_elements(self) -> int:
+        return sum(e.changed for e in self.tensors.values())
+
+    @property
+    def sparsity(self) -> float:
+        total = self.total_elements
+        return 1.0 - self.changed_elements / total if total else 1.0
+
+    def to_strings(self) -> dict[str, str]:
+        """The safetensors `__metadata__` (strings only), including TRL v1's keys for `coo`."""
+        changed = [n for n, e in self.tensors.items() if e.changed]
+        out = {
+            "protocol": PROTOCOL,
+            "run_id": self.run_id or "",
+            "model_version": str(self.version),
+            "kind": self.kind,
+            "encoding": self.encoding,
+            "digest_algorithm": DIGEST_ALGORITHM,
+            "tensors": json.dumps(
+                {n: [list(e.shape), e.digest, e.changed] for n, e in self.tensors.items()},
+                separators=(",", ":"),
+            ),
+            "total_elements": str(self.total_elements),
+            "total_changed_elements": str(self.changed_elements),
+            "sparsity": f"{self.sparsity:.6f}",
+            "num_changed_params": str(len(changed)),
+        }
+        if self.base_version is not None:
+            out["base_version"] = str(self.base_version)
+        if self.kind == "anchor":
+            out |= {"format": "pt", "sparse": "False"}
+        else:
+            out |= {"sparse": "True", "changed_params": json.dumps(changed)}
+        if self.encoding == "coo":
+            out |= {"format": "sparse_weight_patch", "version": "1"}
+        elif self.encoding == "packed":
+            out |= {"format": "deltasync_packed", "packed": "leb128-gap+zigzag-bitdiff/zstd"}
+        return out
+
+    @classmethod
+    def from_strings(cls, meta: dict[str, str], *, path: str | None = None) -> FileMetadata:
+        """Parse and validate; raises `FormatError` naming the key that is wrong."""
+        if meta.get("protocol") != PROTOCOL:
+            if meta.get("format") == "sparse_weight_patch" and "protocol" not in meta:
+                return _from_trl_v1(meta, path)
+            raise FormatError(
+                f"unsupported protocol {meta.get('protocol')!r}, this reader speaks {PROTOCOL}",
+                path=path,
+            )
+        if meta.get("digest_algorithm") != DIGEST_ALGORITHM:
+            raise FormatError(f"unsupported digest {meta.get('digest_algorithm')!r}", path=path)
+        kind = _choice(meta, "kind", ("anchor", "delta"), path)
+        encoding = _choice(
+            meta, "encoding", ("full",) if kind == "anchor" else ("coo", "packed"), path
+        )
+        version = _int(meta, "model_version", path, minimum=1)
+        base = _int(meta, "base_version", path, minimum=0) if kind == "delta" else None
+        if base is not None and base >= version:
+            raise FormatError(f"base_version {base} is not before version {version}", path=path)
+        try:
+            run_id = validate_run_id(meta.get("run_id", ""))
+        except FormatError as exc:
+            raise FormatError(str(exc), path=path) from None
+        return cls(run_id, version, base, kind, encoding, _tensor_entries(meta, path))
+
+
+def _choice(meta: dict[str, str], key: str, allowed: tuple[str, ...], path: str | None) -> str:
+    value = meta.get(key)
+    if value not in allowed:
+        raise FormatError(f"metadata {key}={value!r}, expected one of {allowed}", path=path)
+    return value
+
+
+def _int(meta: dict[str, str], key: str, path: str | None, *, minimum: int) -> int:
+    value = meta.get(key)
+    if value is None or not value.isdigit() or not minimum <= int(value) < _MAX_VERSION:
+        raise FormatError(f"metadata {key}={value!r} is not an integer >= {minimum}", path=path)
+    return int(value)
+
+
+def _tensor_entries(meta: dict[str, str], path: str | None) -> dict[str, TensorEntry]:
+    try:
+        raw = json.loads(meta.get("tensors", ""))
+    except json.JSONDecodeError:
+        raise FormatError("metadata 'tensors' is not JSON", path=path) from None
+    if not isinstance(raw, dict):
+        raise FormatError("metadata 'tensors' must be a JSON object", path=path)
+    entries = {}
+    for name, value in raw.items():
+        if not (
+            isinstance(value, list)
+            and len(value) == 3
+            and isinstance(value[0], list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**50
+                    for d in value[0])
+            and isinstance(value[1], str)
+            and _HEX128.fullmatch(value[1])
+            and isinstance(value[2], int)
+            and not isinstance(value[2], bool)
+        ):
+            raise FormatError(f"bad tensor entry {value!r}", path=path, tensor=name)
+        entry = TensorEntry(tuple(value[0]), value[1], value[2])
+        if not 0 <= entry.changed <= entry.numel:
+            raise FormatError(f"changed={entry.changed} outside 0..{entry.numel}", path=path,
+                              tensor=name)
+        entries[name] = entry
+    return entries
+
+
+def _from_trl_v1(meta: dict[str, str], path: str | None) -> FileMetadata:
+    """A file written by TRL PR #5417: shapes come from the tensors, nothing to verify against."""
+    version = _int(meta, "model_version", path, minimum=0)
+    sparse = meta.get("sparse")
+    if sparse not in ("True", "False"):
+        raise FormatError(f"metadata sparse={sparse!r}, expected 'True' or 'False'", path=path)
+    kind: Kind = "delta" if sparse == "True" else "anchor"
+    return FileMetadata(
+        run_id=None,
+        version=version,
+        base_version=None,
+        kind=kind,
+        encoding="coo" if kind == "delta" else "full",
+        tensors={},
+        legacy=True,
+    )

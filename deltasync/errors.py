@@ -1,0 +1,70 @@
+"""The error types of the protocol: one root, a few precise subclasses that keep their fields."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChainError",
+    "DeltaSyncError",
+    "DigestMismatch",
+    "FormatError",
+    "PublishError",
+    "StoreError",
+]
+
+
+class DeltaSyncError(Exception):
+    """Root of every error this library raises on purpose."""
+
+
+class FormatError(DeltaSyncError, ValueError):
+    """A file or manifest is malformed, truncated, oversized or names unknown tensors.
+
+    Raised before anything is mutated, so the caller's state is unchanged.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None):
+        where = "".join(
+            part for part in (f" in {path}" if path else "", f" (tensor {tensor!r})" if tensor else "")
+        )
+        super().__init__(f"{message}{where}")
+        self.path = path
+        self.tensor = tensor
+
+
+class ChainError(DeltaSyncError):
+    """A delta does not follow the version the reader holds (other run or other base version)."""
+
+    def __init__(self, message: str, *, expected: object = None, found: object = None):
+        super().__init__(message)
+        self.expected = expected
+        self.found = found
+
+
+class DigestMismatch(DeltaSyncError):
+    """The bytes after an update do not hash to the digest the file promised."""
+
+    def __init__(self, tensor: str, expected: str, found: str, *, path: str | None = None):
+        super().__init__(
+            f"digest mismatch for tensor {tensor!r}{f' from {path}' if path else ''}: "
+            f"expected {expected}, found {found}; the update was rolled back"
+        )
+        self.tensor = tensor
+        self.expected = expected
+        self.found = found
+        self.path = path
+
+
+class StoreError(DeltaSyncError):
+    """A bucket operation failed (after retries, where the caller retries)."""
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(f"{message}{f' ({path})' if path else ''}")
+        self.path = path
+
+
+class PublishError(DeltaSyncError):
+    """A background publish gave up; the version it carried was not committed."""
+
+    def __init__(self, message: str, *, version: int | None = None):
+        super().__init__(message)
+        self.version = version

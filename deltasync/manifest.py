@@ -1,0 +1,186 @@
+"""The manifest: the bucket's single commit point, naming the run and its chain of files."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+from .codec.metadata import PROTOCOL, validate_run_id
+from .errors import ChainError, FormatError
+from .store import validate_path
+
+__all__ = ["MANIFEST_PATH", "ChainEntry", "Manifest", "file_path", "metrics_path"]
+
+MANIFEST_PATH = "manifest.json"
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+
+
+def file_path(run_id: str, kind: str, version: int, digest: str) -> str:
+    """`runs/<run>/<anchors|deltas>/<version>-<digest12>.safetensors`: never reused, so immutable."""
+    folder = {"anchor": "anchors", "delta": "deltas"}[kind]
+    return f"runs/{run_id}/{folder}/{version:08d}-{digest[:12]}.safetensors"
+
+
+def metrics_path(run_id: str, version: int) -> str:
+    return f"runs/{run_id}/metrics/{version:08d}.json"
+
+
+@dataclass(frozen=True)
+class ChainEntry:
+    """One committed file: an anchor (full state at `version`) or a delta (`version - 1` -> it)."""
+
+    version: int
+    kind: Literal["anchor", "delta"]
+    path: str
+    bytes: int
+    digest: str
+    encoding: str
+    changed_elements: int
+
+    @property
+    def base_version(self) -> int | None:
+        return self.version - 1 if self.kind == "delta" else None
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> ChainEntry:
+        if not isinstance(raw, dict) or set(raw) != {f.name for f in cls.__dataclass_fields__.values()}:
+            raise FormatError(f"manifest entry {raw!r} has the wrong keys")
+        entry = cls(**raw)
+        ints = (entry.version, entry.bytes, entry.changed_elements)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+            raise FormatError(f"manifest entry {raw!r}: version, bytes, changed must be integers")
+        if entry.kind not in ("anchor", "delta") or entry.version < 1:
+            raise FormatError(f"manifest entry {raw!r}: bad kind or version")
+        if not isinstance(entry.digest, str) or not isinstance(entry.encoding, str):
+            raise FormatError(f"manifest entry {raw!r}: digest and encoding must be strings")
+        validate_path(entry.path)
+        return entry
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Run id, latest version, the retained anchors and the deltas after the oldest of them.
+
+    Every version after the first has a delta (anchor versions too), so a live replica always
+    moves by a small file; anchors serve cold starts. Deltas are contiguous: delta v has base v-1.
+    """
+
+    run_id: str
+    latest_version: int
+    anchors: tuple[ChainEntry, ...]
+    deltas: tuple[ChainEntry, ...]
+    model_bytes: int
+    updated_at: float = field(default_factory=time.time)
+    protocol: str = PROTOCOL
+
+    def __post_init__(self) -> None:
+        validate_run_id(self.run_id)
+        if not self.anchors:
+            raise FormatError("manifest has no anchor")
+        versions = [d.version for d in self.deltas]
+        if versions and versions != list(range(versions[0], versions[0] + len(versions))):
+            raise FormatError(f"manifest deltas are not contiguous: {versions[:10]}")
+        if any(a.kind != "anchor" for a in self.anchors) or any(d.kind != "delta" for d in self.deltas):
+            raise FormatError("manifest lists a delta among anchors or an anchor among deltas")
+        newest = max([a.version for a in self.anchors] + versions)
+        if newest != self.latest_version:
+            raise FormatError(f"latest_version {self.latest_version} but newest file is {newest}")
+        oldest_anchor = min(a.version for a in self.anchors)
+        if versions and versions[0] > oldest_anchor + 1:
+            raise FormatError("manifest deltas do not start right after the oldest anchor")
+        if not versions and self.latest_version != self.latest_anchor.version:
+            raise FormatError("manifest chain ends before latest_version")
+
+    @property
+    def latest_anchor(self) -> ChainEntry:
+        return max(self.anchors, key=lambda a: a.version)
+
+    def deltas_after(self, version: int) -> list[ChainEntry]:
+        return [d for d in self.deltas if d.version > version]
+
+    def catch_up_plan(self, run_id: str | None, version: int | None) -> list[ChainEntry]:
+        """Files a reader at (`run_id`, `version`) applies, in order, to reach `latest_version`.
+
+        Replays deltas when the reader's version is still covered by the chain and that is
+        cheaper than the latest anchor plus its deltas; otherwise starts from the latest anchor.
+
+        Raises:
+            ChainError: the reader claims a version of this run past `latest_version`.
+        """
+        if run_id == self.run_id and version is not None:
+            if version > self.latest_version:
+                raise ChainError(
+                    f"reader is at version {version}, past the bucket's {self.latest_version}",
+                    expected=self.latest_version, found=version,
+                )
+            if version == self.latest_version:
+                return []
+            covered = self.deltas and self.deltas[0].version <= version + 1
+            if covered:
+                replay = self.deltas_after(version)
+                anchor_route = [self.latest_anchor, *self.deltas_after(self.latest_anchor.version)]
+                if sum(e.bytes for e in replay) <= sum(e.bytes for e in anchor_route):
+                    return replay
+        return [self.latest_anchor, *self.deltas_after(self.latest_anchor.version)]
+
+    def with_version(self, entries: list[ChainEntry], keep_anchors: int) -> Manifest:
+        """The next manifest: `entries` (a delta and/or an anchor of one new version) appended,
+        keeping the newest `keep_anchors` anchors and only the deltas after the oldest kept one."""
+        new_version = entries[0].version
+        if new_version != self.latest_version + 1:
+            raise ChainError(f"version {new_version} does not follow {self.latest_version}",
+                             expected=self.latest_version + 1, found=new_version)
+        anchors = [*self.anchors, *(e for e in entries if e.kind == "anchor")]
+        anchors = sorted(anchors, key=lambda a: a.version)[-max(1, keep_anchors):]
+        oldest = anchors[0].version
+        deltas = [d for d in (*self.deltas, *(e for e in entries if e.kind == "delta"))
+                  if d.version > oldest]
+        model_bytes = next((e.bytes for e in entries if e.kind == "anchor"), self.model_bytes)
+        return replace(self, latest_version=new_version, anchors=tuple(anchors),
+                       deltas=tuple(deltas), model_bytes=model_bytes, updated_at=time.time())
+
+    def referenced_paths(self) -> set[str]:
+        return {e.path for e in (*self.anchors, *self.deltas)}
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, path: str = MANIFEST_PATH) -> Manifest:
+        """Parse and validate; raises `FormatError` for anything unexpected."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise FormatError(f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}",
+                              path=path)
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"manifest is not JSON: {exc}", path=path) from None
+        keys = {f.name for f in cls.__dataclass_fields__.values()}
+        if not isinstance(raw, dict) or set(raw) != keys:
+            found = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
+            raise FormatError(f"manifest keys {found}, expected {sorted(keys)}", path=path)
+        if raw["protocol"] != PROTOCOL:
+            raise FormatError(f"manifest protocol {raw['protocol']!r}, expected {PROTOCOL}",
+                              path=path)
+        try:
+            for key in ("anchors", "deltas"):
+                if not isinstance(raw[key], list):
+                    raise FormatError(f"manifest {key} must be a list")
+            for key in ("latest_version", "model_bytes"):
+                if not isinstance(raw[key], int) or isinstance(raw[key], bool) or raw[key] < 0:
+                    raise FormatError(f"manifest {key} must be a non-negative integer")
+            if not isinstance(raw["updated_at"], (int, float)):
+                raise FormatError("manifest updated_at must be a number")
+            return cls(
+                run_id=raw["run_id"],
+                latest_version=raw["latest_version"],
+                anchors=tuple(ChainEntry.from_dict(a) for a in raw["anchors"]),
+                deltas=tuple(ChainEntry.from_dict(d) for d in raw["deltas"]),
+                model_bytes=raw["model_bytes"],
+                updated_at=float(raw["updated_at"]),
+                protocol=raw["protocol"],
+            )
+        except (FormatError, TypeError) as exc:
+            raise FormatError(f"invalid manifest: {exc}", path=path) from None

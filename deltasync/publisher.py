@@ -1,0 +1,303 @@
+"""The trainer side: diff now, then encode -> upload -> commit the manifest in the background."""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .codec import encode_anchor, encode_delta
+from .codec.metadata import validate_run_id
+from .digest import bytes_digest
+from .errors import PublishError, StoreError
+from .manifest import MANIFEST_PATH, ChainEntry, Manifest, file_path, metrics_path
+from .policy import AnchorPolicy
+from .replica import Replica, read_manifest
+from .retry import with_retries
+from .snapshot import Bf16Snapshot, Diff, NamedTensors
+from .store import Store
+
+__all__ = ["Publisher", "PublisherConfig", "SyncRecord"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    """Trainer-side settings; what readers must know travels in the files instead.
+
+    Attributes:
+        run_id: names the run in the bucket; a bucket whose manifest has this run is resumed.
+        encoding: delta encoding, `packed` (default) or `coo` (TRL v1 interoperable).
+        policy: when to write anchors and how many to keep.
+        queue_size: versions that may wait for upload before `publish` blocks (back-pressure).
+        attempts, backoff_s: retries for every bucket write.
+    """
+
+    run_id: str
+    encoding: str = "packed"
+    policy: AnchorPolicy = AnchorPolicy()
+    queue_size: int = 2
+    attempts: int = 4
+    backoff_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        validate_run_id(self.run_id)
+        if self.queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
+
+
+@dataclass(frozen=True)
+class SyncRecord:
+    """One committed version, also written as `runs/<run>/metrics/<version>.json`."""
+
+    run_id: str
+    version: int
+    kind: str  # "anchor", "delta" or "delta+anchor"
+    encoding: str
+    delta_path: str | None
+    anchor_path: str | None
+    delta_bytes: int
+    anchor_bytes: int
+    full_bytes: int
+    changed_elements: int
+    total_elements: int
+    sparsity: float
+    diff_s: float
+    encode_s: float
+    upload_s: float
+    queued_s: float
+    committed_at: float
+
+
+@dataclass
+class _Job:
+    version: int
+    diff: Diff | None  # None for the first version of a run: the snapshot itself is published
+    future: Future[SyncRecord]
+    diff_s: float
+    enqueued_at: float
+
+
+class Publisher:
+    """Publishes weight versions to a bucket without blocking the training loop on uploads.
+
+    `publish` diffs the weights against the last committed snapshot plus the versions still in
+    flight (so it must be called from one thread, and the tensors may change once it returns),
+    then queues the upload. A background worker encodes, uploads with retries, commits the
+    manifest, advances the snapshot and writes a metrics record. If a version fails for good,
+    it and every queued version are dropped, their futures fail, the next `publish` call raises
+    the `PublishError`, and publishing then restarts from the last committed version.
+    """
+
+    def __init__(self, store: Store, config: PublisherConfig):
+        self.store = store
+        self.config = config
+        self._lock = threading.Lock()
+        self._snapshot: Bf16Snapshot | None = None
+        self._manifest: Manifest | None = None
+        self._pending: list[_Job] = []
+        self._failure: PublishError | None = None
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.queue_size)
+        self._worker: threading.Thread | None = None
+
+    @property
+    def committed_version(self) -> int | None:
+        return None if self._manifest is None else self._manifest.latest_version
+
+    def publish(self, source: NamedTensors) -> Future[SyncRecord]:
+        """Queue the next version of `source`; blocks only while the queue is full.
+
+        Raises:
+            PublishError: an earlier version failed (raised once; publishing then resumes).
+        """
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        if self._worker is None:
+            self._start()
+        started = time.perf_counter()
+        with self._lock:
+            if self._snapshot is None:
+                self._snapshot, diff = Bf16Snapshot.capture(source), None
+            else:
+                diff = self._snapshot.diff(source, [j.diff for j in self._pending if j.diff])
+            version = (self.committed_version or 0) + len(self._pending) + 1
+            job = _Job(version, diff, Future(), time.perf_counter() - started, time.time())
+            self._pending.append(job)
+        self._queue.put(job)
+        return job.future
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued version is committed or failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            futures = [j.future for j in self._pending]
+        for future in futures:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            future.exception(timeout=remaining)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish queued work, then stop the worker."""
+        if self._worker is not None:
+            self.flush(timeout)
+            self._queue.put(None)
+            self._worker.join(timeout)
+            self._worker = None
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        """Resume the run in the bucket when its manifest names our run id."""
+        manifest = read_manifest(self.store, attempts=self.config.attempts,
+                                 backoff_s=self.config.backoff_s)
+        if manifest is not None and manifest.run_id == self.config.run_id:
+            replica = Replica()
+            replica.sync(self.store, attempts=self.config.attempts, backoff_s=self.config.backoff_s)
+            self._snapshot = Bf16Snapshot(replica.tensors)
+            self._manifest = manifest
+            log.info("resuming run %s at version %d", manifest.run_id, manifest.latest_version)
+        self._worker = threading.Thread(target=self._run, name="deltasync-publisher", daemon=True)
+        self._worker.start()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                record = self._process(job)
+            except Exception as exc:
+                self._fail(job, exc)
+            else:
+                job.future.set_result(record)
+
+    def _fail(self, job: _Job, exc: Exception) -> None:
+        error = PublishError(f"version {job.version} was not published: {exc}",
+                             version=job.version)
+        error.__cause__ = exc
+        log.error("%s", error)
+        with self._lock:
+            dropped, self._pending = self._pending, []
+            if self._manifest is None:
+                self._snapshot = None
+            self._failure = error
+        for other in dropped:
+            if not other.future.done():
+                other.future.set_exception(error)
+        while True:  # drain jobs queued behind the failed one; their futures already failed
+            try:
+                if self._queue.get_nowait() is None:
+                    self._queue.put(None)
+                    break
+            except queue.Empty:
+                break
+
+    def _put(self, path: str, data: bytes) -> None:
+        with_retries(lambda: self.store.put(path, data), what=f"upload {path}",
+                     attempts=self.config.attempts, backoff_s=self.config.backoff_s)
+
+    def _process(self, job: _Job) -> SyncRecord:
+        cfg, snapshot = self.config, self._snapshot
+        assert snapshot is not None
+        queued_s = time.time() - job.enqueued_at
+        entries: list[ChainEntry] = []
+        encode_s = upload_s = 0.0
+        delta_entry = anchor_entry = None
+        if job.diff is not None:
+            t0 = time.perf_counter()
+            data = encode_delta(job.diff, run_id=cfg.run_id, version=job.version,
+                                base_version=job.version - 1, encoding=cfg.encoding)
+            t1 = time.perf_counter()
+            delta_entry = self._upload(data, "delta", job.version, cfg.encoding,
+                                       job.diff.changed_elements)
+            encode_s, upload_s = t1 - t0, time.perf_counter() - t1
+            entries.append(delta_entry)
+        if job.diff is None or cfg.policy.wants_anchor(self._manifest, job.version):
+            t0 = time.perf_counter()
+            data = encode_anchor(_state_after(snapshot, job.diff), run_id=cfg.run_id,
+                                 version=job.version,
+                                 digests=None if job.diff is None else job.diff.digests)
+            t1 = time.perf_counter()
+            total = sum(t.numel() for t in snapshot.tensors.values())
+            anchor_entry = self._upload(data, "anchor", job.version, "full", total)
+            encode_s, upload_s = encode_s + t1 - t0, upload_s + time.perf_counter() - t1
+            entries.append(anchor_entry)
+        previous = self._manifest
+        manifest = self._commit(entries)
+        with self._lock:
+            if job.diff is not None:
+                snapshot.advance(job.diff)
+            self._manifest = manifest
+            self._pending.remove(job)
+        total = sum(t.numel() for t in snapshot.tensors.values())
+        changed = total if job.diff is None else job.diff.changed_elements
+        record = SyncRecord(
+            run_id=cfg.run_id, version=job.version,
+            kind="+".join(e.kind for e in entries), encoding=cfg.encoding,
+            delta_path=delta_entry and delta_entry.path,
+            anchor_path=anchor_entry and anchor_entry.path,
+            delta_bytes=delta_entry.bytes if delta_entry else 0,
+            anchor_bytes=anchor_entry.bytes if anchor_entry else 0,
+            full_bytes=2 * total, changed_elements=changed, total_elements=total,
+            sparsity=1.0 - changed / total if total else 1.0,
+            diff_s=job.diff_s, encode_s=encode_s, upload_s=upload_s, queued_s=queued_s,
+            committed_at=manifest.updated_at,
+        )
+        self._after_commit(record, previous, manifest)
+        return record
+
+    def _upload(self, data: bytes, kind: str, version: int, encoding: str,
+                changed: int) -> ChainEntry:
+        digest = bytes_digest(data)
+        path = file_path(self.config.run_id, kind, version, digest)
+        self._put(path, data)
+        return ChainEntry(version, kind, path, len(data), digest, encoding, changed)  # type: ignore[arg-type]
+
+    def _commit(self, entries: list[ChainEntry]) -> Manifest:
+        """Write the manifest that makes the version visible: the commit point."""
+        if self._manifest is None:
+            anchor = entries[-1]
+            manifest = Manifest(self.config.run_id, anchor.version, (anchor,), (), anchor.bytes)
+        else:
+            manifest = self._manifest.with_version(entries, self.config.policy.keep_anchors)
+        data = manifest.to_json()
+        with_retries(lambda: self.store.publish(MANIFEST_PATH, data), what="commit manifest",
+                     attempts=self.config.attempts, backoff_s=self.config.backoff_s)
+        return manifest
+
+    def _after_commit(self, record: SyncRecord, previous: Manifest | None,
+                      manifest: Manifest) -> None:
+        """Metrics record, then retention: files the new manifest no longer names are deleted.
+
+        Failures here are logged only: the version is committed already.
+        """
+        try:
+            self._put(metrics_path(record.run_id, record.version),
+                      json.dumps(asdict(record)).encode())
+        except StoreError as exc:
+            log.warning("metrics record for version %d not written: %s", record.version, exc)
+        if previous is None or previous.run_id != manifest.run_id:
+            return
+        for path in sorted(previous.referenced_paths() - manifest.referenced_paths()):
+            try:
+                self.store.delete(path)
+            except StoreError as exc:
+                log.warning("retention could not delete %s: %s", path, exc)
+
+
+def _state_after(snapshot: Bf16Snapshot, diff: Diff | None) -> dict[str, torch.Tensor]:
+    """The full bf16 state once `diff` is applied, copying only the tensors it touches."""
+    state = dict(snapshot.tensors)
+    for name, change in (diff.changes if diff else {}).items():
+        patched = state[name].clone()
+        patched.view(-1)[change.indices] = change.values
+        state[name] = patched
+    return state

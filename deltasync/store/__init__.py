@@ -1,0 +1,44 @@
+"""Bucket stores: `open_store(url)` picks a folder, a Hub bucket or any fsspec URL."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import fsspec
+
+from ..errors import StoreError
+from .base import MissingFile, Store, validate_path
+from .local import LocalStore
+
+__all__ = ["LocalStore", "MissingFile", "Store", "open_store", "validate_path"]
+
+_HF_BUCKET = re.compile(r"hf://buckets/[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(/[\w./-]*)?")
+_EXTRAS = {"s3": "s3fs (pip install 'deltasync[s3]')", "gs": "gcsfs", "gcs": "gcsfs"}
+
+
+def open_store(url: str, **storage_options: Any) -> Store:
+    """Open a bucket by URL.
+
+    - a path or `file://...`: a local folder (created if missing);
+    - `hf://buckets/NAMESPACE/NAME[/prefix]`: a Hugging Face bucket (never a model/dataset repo);
+    - any other fsspec URL (`memory://`, `s3://`, `gs://`, ...), with `storage_options` passed on.
+    """
+    if "://" not in url:
+        return LocalStore(url)
+    protocol = url.split("://", 1)[0]
+    if protocol == "file":
+        return LocalStore(url.split("://", 1)[1])
+    if protocol == "hf" and not _HF_BUCKET.fullmatch(url.rstrip("/")):
+        raise StoreError(f"{url!r} is not a bucket URL: expected hf://buckets/NAMESPACE/NAME")
+    if ".." in url.split("://", 1)[1].split("/"):
+        raise StoreError(f"{url!r} contains '..'")
+    try:
+        fs, root = fsspec.url_to_fs(url, **storage_options)
+    except ImportError as exc:
+        need = _EXTRAS.get(protocol, "the fsspec backend for it")
+        raise StoreError(f"the {protocol}:// store needs {need}: {exc}") from None
+    except ValueError as exc:
+        known = ", ".join(sorted(fsspec.available_protocols())[:20])
+        raise StoreError(f"cannot open {url!r}: {exc}; known protocols include {known}") from None
+    return Store(fs, root, url)

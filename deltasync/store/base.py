@@ -1,0 +1,115 @@
+"""The bucket interface: a few primitives over fsspec, with every path validated first."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import fsspec
+
+from ..errors import StoreError
+
+__all__ = ["MissingFile", "Store", "validate_path"]
+
+_COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+_MAX_PATH = 1024
+
+
+class MissingFile(StoreError, FileNotFoundError):
+    """The path does not exist in the bucket."""
+
+
+def validate_path(path: str) -> str:
+    """A relative POSIX path inside the bucket: no '..', no absolute or hidden parts, no schemes.
+
+    Raises:
+        StoreError: the path could escape the bucket root or is not a plain object name.
+    """
+    if not isinstance(path, str) or not 0 < len(path) <= _MAX_PATH:
+        raise StoreError(f"invalid bucket path {path!r}: expected 1-{_MAX_PATH} characters")
+    parts = path.split("/")
+    if not all(_COMPONENT.fullmatch(part) for part in parts):
+        raise StoreError(
+            f"invalid bucket path {path!r}: each part must be letters, digits, '.', '_' or '-' "
+            "and must not start with '.' (no '..', no absolute paths, no schemes)"
+        )
+    return path
+
+
+class Store:
+    """A bucket rooted at `root` on an fsspec filesystem.
+
+    Object stores (S3, Hub buckets, memory) replace an object in a single PUT, so `put` is atomic
+    there: a reader sees the old bytes or the new ones. `LocalStore` gets the same guarantee with
+    a temporary file and a rename.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str):
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    def _full(self, path: str) -> str:
+        return f"{self.root}/{validate_path(path)}"
+
+    def _call(self, what: str, path: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError:
+            raise MissingFile(f"{what}: no such file", path=path) from None
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise StoreError(f"{what} failed: {type(exc).__name__}: {exc}", path=path) from exc
+
+    def put(self, path: str, data: bytes) -> None:
+        """Write a whole object (atomic for readers)."""
+        full = self._full(path)
+        self._call("put", path, self.fs.pipe_file, full, bytes(data))
+
+    def get(self, path: str) -> bytes:
+        full = self._full(path)
+        return self._call("get", path, self.fs.cat_file, full)
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object, e.g. a safetensors header."""
+        full = self._full(path)
+        if not 0 <= start <= end:
+            raise StoreError(f"invalid byte range {start}..{end}", path=path)
+        return self._call("get_range", path, self.fs.cat_file, full, start=start, end=end)
+
+    def size(self, path: str) -> int:
+        full = self._full(path)
+        self.fs.invalidate_cache(full)
+        return int(self._call("size", path, self.fs.size, full))
+
+    def exists(self, path: str) -> bool:
+        full = self._full(path)
+        self.fs.invalidate_cache(full)
+        return bool(self._call("exists", path, self.fs.exists, full))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Relative paths of all objects under `prefix` (a folder, '' for the whole bucket)."""
+        base = self._full(prefix.strip("/")) if prefix.strip("/") else self.root
+        self.fs.invalidate_cache(base)
+        try:
+            found = self._call("list", prefix, self.fs.find, base)
+        except MissingFile:
+            return []
+        strip = len(self.root) + 1
+        return sorted(p[strip:] for p in found if p.startswith(self.root + "/"))
+
+    def delete(self, path: str) -> None:
+        """Remove an object; deleting a missing one is not an error."""
+        full = self._full(path)
+        try:
+            self._call("delete", path, self.fs.rm_file, full)
+        except MissingFile:
+            pass
+
+    def publish(self, path: str, data: bytes) -> None:
+        """Atomically replace a small commit-point object such as the manifest."""
+        self.put(path, data)
