@@ -1,0 +1,141 @@
+"""`python -m deltasync`: inspect a file, verify a bucket's chain, materialise a checkpoint.
+
+Examples:
+    python -m deltasync inspect ./bucket/runs/r1/deltas/00000002-0123456789ab.safetensors
+    python -m deltasync verify ./bucket
+    python -m deltasync replay s3://my-bucket/rl --version 40 --out ./ckpt-40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import fsspec
+from tqdm import tqdm
+
+from .codec import encode_anchor, read_metadata
+from .errors import DeltaSyncError, FormatError
+from .replica import Replica, fetch_entry, read_manifest
+from .store import open_store
+
+__all__ = ["main"]
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    with fsspec.open(args.file, "rb", block_size=64 * 1024) as f:
+        size = f.size
+
+        def read(start: int, end: int) -> bytes:
+            f.seek(start)
+            return f.read(end - start)
+
+        meta, header = read_metadata(read, size, path=args.file)
+    summary = {
+        "file": args.file,
+        "bytes": size,
+        "kind": meta.kind,
+        "encoding": meta.encoding,
+        "run_id": meta.run_id,
+        "version": meta.version,
+        "base_version": meta.base_version,
+        "total_elements": meta.total_elements,
+        "changed_elements": meta.changed_elements,
+        "sparsity": round(meta.sparsity, 6),
+        "legacy_trl_v1": meta.legacy,
+        "stored_tensors": len(header.tensors),
+    }
+    if args.json:
+        summary["tensors"] = {n: {"shape": e.shape, "changed": e.changed, "digest": e.digest}
+                              for n, e in meta.tensors.items()}
+        print(json.dumps(summary, indent=1))
+        return 0
+    for key, value in summary.items():
+        print(f"{key:>17}: {value}")
+    if args.tensors:
+        for name, entry in meta.tensors.items():
+            print(f"  {name:<60} {entry.changed:>10}/{entry.numel:<10} {entry.digest}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """Replay every retained file from the oldest anchor; check each anchor against the replay."""
+    store = open_store(args.bucket)
+    manifest = read_manifest(store)
+    if manifest is None:
+        raise FormatError("bucket has no manifest (nothing published yet)", path=args.bucket)
+    oldest, *later_anchors = sorted(manifest.anchors, key=lambda a: a.version)
+    replica = Replica()
+    replica.update(fetch_entry(store, oldest), path=oldest.path)
+    anchors = {a.version: a for a in later_anchors}
+    for delta in tqdm(manifest.deltas_after(oldest.version), desc="verify", unit="version",
+                      disable=args.quiet):
+        replica.update(fetch_entry(store, delta), path=delta.path)
+        if delta.version in anchors:
+            data = fetch_entry(store, anchors[delta.version])
+            meta, _ = read_metadata(lambda a, b, d=data: d[a:b], len(data))
+            replica.verify(meta)
+    print(f"ok: run {manifest.run_id}, versions {oldest.version}..{manifest.latest_version}, "
+          f"{len(manifest.anchors)} anchors and {len(manifest.deltas)} deltas verified")
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    store = open_store(args.bucket)
+    manifest = read_manifest(store)
+    if manifest is None:
+        raise FormatError("bucket has no manifest (nothing published yet)", path=args.bucket)
+    version = manifest.latest_version if args.version is None else args.version
+    anchors = [a for a in manifest.anchors if a.version <= version]
+    if not anchors or version > manifest.latest_version:
+        available = f"{min(a.version for a in manifest.anchors)}..{manifest.latest_version}"
+        raise FormatError(f"version {version} is not in the bucket (retained: {available})")
+    anchor = max(anchors, key=lambda a: a.version)
+    plan = [anchor, *(d for d in manifest.deltas if anchor.version < d.version <= version)]
+    replica = Replica()
+    for entry in tqdm(plan, desc="replay", unit="file", disable=args.quiet):
+        replica.update(fetch_entry(store, entry), path=entry.path)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = encode_anchor(replica.tensors, run_id=manifest.run_id, version=version)
+    (out / "model.safetensors").write_bytes(data)
+    print(f"wrote {out / 'model.safetensors'} (run {manifest.run_id}, version {version}, "
+          f"{len(data) / 1e6:.1f} MB)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m deltasync", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="print a file's metadata (reads only its header)")
+    p.add_argument("file", help="local path or fsspec URL of an anchor or delta")
+    p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_inspect)
+    p = sub.add_parser("verify", help="replay a bucket's chain and check every digest")
+    p.add_argument("bucket", help="folder, hf://buckets/NS/NAME, s3://..., memory://...")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_verify)
+    p = sub.add_parser("replay", help="materialise the checkpoint of one version")
+    p.add_argument("bucket", help="folder, hf://buckets/NS/NAME, s3://..., memory://...")
+    p.add_argument("--version", type=int, default=None, help="version (default: latest)")
+    p.add_argument("--out", required=True, help="output folder for model.safetensors")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_replay)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (DeltaSyncError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

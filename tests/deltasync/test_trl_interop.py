@@ -1,0 +1,111 @@
+"""`coo` files interoperate with TRL PR #5417 both ways; anchors load in transformers as is."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+from conftest import AdamWLoop, tiny_qwen3
+from deltasync.codec import encode_anchor, encode_delta
+from deltasync.replica import Replica
+from deltasync.snapshot import Bf16Snapshot
+
+
+def trl_v1_apply(path, snapshot: dict[str, torch.Tensor]) -> None:
+    """An independent TRL-v1-style reader: safe_open, then scatter values at indices."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        assert meta["format"] == "sparse_weight_patch" and meta["sparse"] == "True"
+        assert sorted(json.loads(meta["changed_params"])) == sorted(
+            k[: -len(".indices")] for k in f.keys() if k.endswith(".indices")
+        )
+        for key in f.keys():
+            if key.endswith(".indices"):
+                name = key[: -len(".indices")]
+                indices = f.get_tensor(key).long()
+                snapshot[name].view(-1)[indices] = f.get_tensor(f"{name}.values")
+
+
+def trl_v1_write(path, version: int, base: dict, new: dict) -> None:
+    """An independent writer of TRL v1's delta layout and string metadata."""
+    tensors, changed, total_changed, total = {}, [], 0, 0
+    for name, tensor in new.items():
+        total += tensor.numel()
+        mask = base[name].view(-1).view(torch.int16) != tensor.view(-1).view(torch.int16)
+        indices = mask.nonzero().squeeze(1)
+        if indices.numel():
+            tensors[f"{name}.indices"] = indices.to(torch.int32)
+            tensors[f"{name}.values"] = tensor.view(-1)[indices].contiguous()
+            changed.append(name)
+            total_changed += indices.numel()
+    metadata = {
+        "format": "sparse_weight_patch", "version": "1", "sparse": "True",
+        "model_version": str(version), "num_changed_params": str(len(changed)),
+        "total_changed_elements": str(total_changed), "total_elements": str(total),
+        "sparsity": f"{1 - total_changed / total:.6f}", "changed_params": json.dumps(changed),
+    }
+    safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+
+
+def _steps(n: int, lr: float = 1e-5):
+    model = tiny_qwen3()
+    loop = AdamWLoop(model, lr=lr)
+    states = [Bf16Snapshot.capture(model).tensors]
+    for _ in range(n):
+        loop.step()
+        states.append(Bf16Snapshot.capture(model).tensors)
+    return states
+
+
+def test_our_coo_files_are_read_by_a_trl_v1_reader(tmp_path):
+    states = _steps(4)
+    reader_state = {k: v.clone() for k, v in states[0].items()}
+    snapshot = Bf16Snapshot({k: v.clone() for k, v in states[0].items()})
+    for version, state in enumerate(states[1:], start=2):
+        diff = snapshot.diff(state)
+        path = tmp_path / f"step_{version:06d}.safetensors"
+        path.write_bytes(encode_delta(diff, run_id="r", version=version,
+                                      base_version=version - 1, encoding="coo"))
+        snapshot.advance(diff)
+        trl_v1_apply(path, reader_state)
+        for name, tensor in state.items():
+            assert torch.equal(reader_state[name].view(torch.int16), tensor.view(torch.int16))
+
+
+def test_trl_v1_files_are_applied_by_our_replica(tmp_path):
+    states = _steps(4)
+    replica = Replica(allow_legacy=True)
+    replica.update(encode_anchor(states[0], run_id="r", version=1))
+    for version, (base, new) in enumerate(zip(states, states[1:], strict=False), start=2):
+        path = tmp_path / f"step_{version:06d}.safetensors"
+        trl_v1_write(path, version, base, new)
+        assert replica.update(path.read_bytes())
+        assert replica.version == version
+        for name, tensor in new.items():
+            assert torch.equal(replica.tensors[name].view(torch.int16), tensor.view(torch.int16))
+
+
+def test_anchor_loads_in_transformers_as_is(tmp_path):
+    model = tiny_qwen3()
+    state = Bf16Snapshot.capture(model).tensors
+    assert "lm_head.weight" not in state  # tied: HF checkpoints omit it
+    model.config.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(encode_anchor(state, run_id="r", version=1))
+    from transformers import Qwen3ForCausalLM
+
+    loaded = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    params = dict(loaded.named_parameters())
+    for name, tensor in state.items():
+        assert torch.equal(params[name].view(torch.int16), tensor.view(torch.int16)), name
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_tied_alias_is_dropped_only_when_tied(tie):
+    model = tiny_qwen3(tie=tie)
+    names = Bf16Snapshot.capture(model.state_dict()).tensors.keys()
+    assert ("lm_head.weight" in names) is not tie
