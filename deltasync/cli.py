@@ -49,8 +49,10 @@ def _inspect(args: argparse.Namespace) -> int:
         "stored_tensors": len(header.tensors),
     }
     if args.json:
-        summary["tensors"] = {n: {"shape": e.shape, "changed": e.changed, "digest": e.digest}
-                              for n, e in meta.tensors.items()}
+        summary["tensors"] = {
+            n: {"shape": e.shape, "changed": e.changed, "digest": e.digest}
+            for n, e in meta.tensors.items()
+        }
         print(json.dumps(summary, indent=1))
         return 0
     for key, value in summary.items():
@@ -71,15 +73,18 @@ def _verify(args: argparse.Namespace) -> int:
     replica = Replica()
     replica.update(fetch_entry(store, oldest), path=oldest.path)
     anchors = {a.version: a for a in later_anchors}
-    for delta in tqdm(manifest.deltas_after(oldest.version), desc="verify", unit="version",
-                      disable=args.quiet):
+    for delta in tqdm(
+        manifest.deltas_after(oldest.version), desc="verify", unit="version", disable=args.quiet
+    ):
         replica.update(fetch_entry(store, delta), path=delta.path)
         if delta.version in anchors:
             data = fetch_entry(store, anchors[delta.version])
             meta, _ = read_metadata(lambda a, b, d=data: d[a:b], len(data))
             replica.verify(meta)
-    print(f"ok: run {manifest.run_id}, versions {oldest.version}..{manifest.latest_version}, "
-          f"{len(manifest.anchors)} anchors and {len(manifest.deltas)} deltas verified")
+    print(
+        f"ok: run {manifest.run_id}, versions {oldest.version}..{manifest.latest_version}, "
+        f"{len(manifest.anchors)} anchors and {len(manifest.deltas)} deltas verified"
+    )
     return 0
 
 
@@ -102,14 +107,19 @@ def _replay(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data = encode_anchor(replica.tensors, run_id=manifest.run_id, version=version)
     (out / "model.safetensors").write_bytes(data)
-    print(f"wrote {out / 'model.safetensors'} (run {manifest.run_id}, version {version}, "
-          f"{len(data) / 1e6:.1f} MB)")
+    print(
+        f"wrote {out / 'model.safetensors'} (run {manifest.run_id}, version {version}, "
+        f"{len(data) / 1e6:.1f} MB)"
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m deltasync", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m deltasync",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="print a file's metadata (reads only its header)")

@@ -24,7 +24,8 @@ class FormatError(DeltaSyncError, ValueError):
 
     def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None):
         where = "".join(
-            part for part in (f" in {path}" if path else "", f" (tensor {tensor!r})" if tensor else "")
+            part
+            for part in (f" in {path}" if path else "", f" (tensor {tensor!r})" if tensor else "")
         )
         super().__init__(f"{message}{where}")
         self.path = path

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from .codec.metadata import PROTOCOL, validate_run_id
-from .errors import ChainError, FormatError
+from .errors import ChainError, FormatError, StoreError
 from .store import validate_path
 
 __all__ = ["MANIFEST_PATH", "ChainEntry", "Manifest", "file_path", "metrics_path"]
@@ -18,7 +18,7 @@ MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 
 
 def file_path(run_id: str, kind: str, version: int, digest: str) -> str:
-    """`runs/<run>/<anchors|deltas>/<version>-<digest12>.safetensors`: never reused, so immutable."""
+    """`runs/<run>/<anchors|deltas>/<version>-<digest12>.safetensors`: never reused."""
     folder = {"anchor": "anchors", "delta": "deltas"}[kind]
     return f"runs/{run_id}/{folder}/{version:08d}-{digest[:12]}.safetensors"
 
@@ -45,7 +45,9 @@ class ChainEntry:
 
     @classmethod
     def from_dict(cls, raw: Any) -> ChainEntry:
-        if not isinstance(raw, dict) or set(raw) != {f.name for f in cls.__dataclass_fields__.values()}:
+        if not isinstance(raw, dict) or set(raw) != {
+            f.name for f in cls.__dataclass_fields__.values()
+        }:
             raise FormatError(f"manifest entry {raw!r} has the wrong keys")
         entry = cls(**raw)
         ints = (entry.version, entry.bytes, entry.changed_elements)
@@ -55,7 +57,10 @@ class ChainEntry:
             raise FormatError(f"manifest entry {raw!r}: bad kind or version")
         if not isinstance(entry.digest, str) or not isinstance(entry.encoding, str):
             raise FormatError(f"manifest entry {raw!r}: digest and encoding must be strings")
-        validate_path(entry.path)
+        try:
+            validate_path(entry.path)
+        except StoreError as exc:
+            raise FormatError(f"manifest entry path: {exc}") from None
         return entry
 
 
@@ -82,7 +87,9 @@ class Manifest:
         versions = [d.version for d in self.deltas]
         if versions and versions != list(range(versions[0], versions[0] + len(versions))):
             raise FormatError(f"manifest deltas are not contiguous: {versions[:10]}")
-        if any(a.kind != "anchor" for a in self.anchors) or any(d.kind != "delta" for d in self.deltas):
+        if any(a.kind != "anchor" for a in self.anchors) or any(
+            d.kind != "delta" for d in self.deltas
+        ):
             raise FormatError("manifest lists a delta among anchors or an anchor among deltas")
         newest = max([a.version for a in self.anchors] + versions)
         if newest != self.latest_version:
@@ -113,7 +120,8 @@ class Manifest:
             if version > self.latest_version:
                 raise ChainError(
                     f"reader is at version {version}, past the bucket's {self.latest_version}",
-                    expected=self.latest_version, found=version,
+                    expected=self.latest_version,
+                    found=version,
                 )
             if version == self.latest_version:
                 return []
@@ -130,16 +138,28 @@ class Manifest:
         keeping the newest `keep_anchors` anchors and only the deltas after the oldest kept one."""
         new_version = entries[0].version
         if new_version != self.latest_version + 1:
-            raise ChainError(f"version {new_version} does not follow {self.latest_version}",
-                             expected=self.latest_version + 1, found=new_version)
+            raise ChainError(
+                f"version {new_version} does not follow {self.latest_version}",
+                expected=self.latest_version + 1,
+                found=new_version,
+            )
         anchors = [*self.anchors, *(e for e in entries if e.kind == "anchor")]
-        anchors = sorted(anchors, key=lambda a: a.version)[-max(1, keep_anchors):]
+        anchors = sorted(anchors, key=lambda a: a.version)[-max(1, keep_anchors) :]
         oldest = anchors[0].version
-        deltas = [d for d in (*self.deltas, *(e for e in entries if e.kind == "delta"))
-                  if d.version > oldest]
+        deltas = [
+            d
+            for d in (*self.deltas, *(e for e in entries if e.kind == "delta"))
+            if d.version > oldest
+        ]
         model_bytes = next((e.bytes for e in entries if e.kind == "anchor"), self.model_bytes)
-        return replace(self, latest_version=new_version, anchors=tuple(anchors),
-                       deltas=tuple(deltas), model_bytes=model_bytes, updated_at=time.time())
+        return replace(
+            self,
+            latest_version=new_version,
+            anchors=tuple(anchors),
+            deltas=tuple(deltas),
+            model_bytes=model_bytes,
+            updated_at=time.time(),
+        )
 
     def referenced_paths(self) -> set[str]:
         return {e.path for e in (*self.anchors, *self.deltas)}
@@ -151,8 +171,9 @@ class Manifest:
     def from_json(cls, data: bytes, *, path: str = MANIFEST_PATH) -> Manifest:
         """Parse and validate; raises `FormatError` for anything unexpected."""
         if len(data) > MAX_MANIFEST_BYTES:
-            raise FormatError(f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}",
-                              path=path)
+            raise FormatError(
+                f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}", path=path
+            )
         try:
             raw = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -162,8 +183,9 @@ class Manifest:
             found = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
             raise FormatError(f"manifest keys {found}, expected {sorted(keys)}", path=path)
         if raw["protocol"] != PROTOCOL:
-            raise FormatError(f"manifest protocol {raw['protocol']!r}, expected {PROTOCOL}",
-                              path=path)
+            raise FormatError(
+                f"manifest protocol {raw['protocol']!r}, expected {PROTOCOL}", path=path
+            )
         try:
             for key in ("anchors", "deltas"):
                 if not isinstance(raw[key], list):

@@ -1,4 +1,4 @@
-"""When to write a full anchor: a fixed interval and/or a bound on a new replica's catch-up bytes."""
+"""When to write a full anchor: a fixed interval and/or a bound on a cold start's bytes."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ class AnchorPolicy:
         if self.interval is not None and self.interval < 1:
             raise ValueError(f"interval must be >= 1 or None, got {self.interval}")
         if self.max_delta_fraction is not None and not self.max_delta_fraction > 0:
-            raise ValueError(f"max_delta_fraction must be > 0 or None, got {self.max_delta_fraction}")
+            raise ValueError(
+                f"max_delta_fraction must be > 0 or None, got {self.max_delta_fraction}"
+            )
         if self.keep_anchors < 1:
             raise ValueError(f"keep_anchors must be >= 1, got {self.keep_anchors}")
 

@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -42,7 +42,7 @@ class PublisherConfig:
 
     run_id: str
     encoding: str = "packed"
-    policy: AnchorPolicy = AnchorPolicy()
+    policy: AnchorPolicy = field(default_factory=AnchorPolicy)
     queue_size: int = 2
     attempts: int = 4
     backoff_s: float = 0.5
@@ -159,8 +159,9 @@ class Publisher:
 
     def _start(self) -> None:
         """Resume the run in the bucket when its manifest names our run id."""
-        manifest = read_manifest(self.store, attempts=self.config.attempts,
-                                 backoff_s=self.config.backoff_s)
+        manifest = read_manifest(
+            self.store, attempts=self.config.attempts, backoff_s=self.config.backoff_s
+        )
         if manifest is not None and manifest.run_id == self.config.run_id:
             replica = Replica()
             replica.sync(self.store, attempts=self.config.attempts, backoff_s=self.config.backoff_s)
@@ -180,8 +181,7 @@ class Publisher:
                 job.future.set_result(record)
 
     def _fail(self, job: _Job, exc: Exception) -> None:
-        error = PublishError(f"version {job.version} was not published: {exc}",
-                             version=job.version)
+        error = PublishError(f"version {job.version} was not published: {exc}", version=job.version)
         error.__cause__ = exc
         log.error("%s", error)
         with self._lock:
@@ -201,8 +201,12 @@ class Publisher:
                 break
 
     def _put(self, path: str, data: bytes) -> None:
-        with_retries(lambda: self.store.put(path, data), what=f"upload {path}",
-                     attempts=self.config.attempts, backoff_s=self.config.backoff_s)
+        with_retries(
+            lambda: self.store.put(path, data),
+            what=f"upload {path}",
+            attempts=self.config.attempts,
+            backoff_s=self.config.backoff_s,
+        )
 
     def _process(self, job: _Job) -> SyncRecord:
         cfg, snapshot = self.config, self._snapshot
@@ -213,18 +217,27 @@ class Publisher:
         delta_entry = anchor_entry = None
         if job.diff is not None:
             t0 = time.perf_counter()
-            data = encode_delta(job.diff, run_id=cfg.run_id, version=job.version,
-                                base_version=job.version - 1, encoding=cfg.encoding)
+            data = encode_delta(
+                job.diff,
+                run_id=cfg.run_id,
+                version=job.version,
+                base_version=job.version - 1,
+                encoding=cfg.encoding,
+            )
             t1 = time.perf_counter()
-            delta_entry = self._upload(data, "delta", job.version, cfg.encoding,
-                                       job.diff.changed_elements)
+            delta_entry = self._upload(
+                data, "delta", job.version, cfg.encoding, job.diff.changed_elements
+            )
             encode_s, upload_s = t1 - t0, time.perf_counter() - t1
             entries.append(delta_entry)
         if job.diff is None or cfg.policy.wants_anchor(self._manifest, job.version):
             t0 = time.perf_counter()
-            data = encode_anchor(_state_after(snapshot, job.diff), run_id=cfg.run_id,
-                                 version=job.version,
-                                 digests=None if job.diff is None else job.diff.digests)
+            data = encode_anchor(
+                _state_after(snapshot, job.diff),
+                run_id=cfg.run_id,
+                version=job.version,
+                digests=None if job.diff is None else job.diff.digests,
+            )
             t1 = time.perf_counter()
             total = sum(t.numel() for t in snapshot.tensors.values())
             anchor_entry = self._upload(data, "anchor", job.version, "full", total)
@@ -240,22 +253,30 @@ class Publisher:
         total = sum(t.numel() for t in snapshot.tensors.values())
         changed = total if job.diff is None else job.diff.changed_elements
         record = SyncRecord(
-            run_id=cfg.run_id, version=job.version,
-            kind="+".join(e.kind for e in entries), encoding=cfg.encoding,
+            run_id=cfg.run_id,
+            version=job.version,
+            kind="+".join(e.kind for e in entries),
+            encoding=cfg.encoding,
             delta_path=delta_entry and delta_entry.path,
             anchor_path=anchor_entry and anchor_entry.path,
             delta_bytes=delta_entry.bytes if delta_entry else 0,
             anchor_bytes=anchor_entry.bytes if anchor_entry else 0,
-            full_bytes=2 * total, changed_elements=changed, total_elements=total,
+            full_bytes=2 * total,
+            changed_elements=changed,
+            total_elements=total,
             sparsity=1.0 - changed / total if total else 1.0,
-            diff_s=job.diff_s, encode_s=encode_s, upload_s=upload_s, queued_s=queued_s,
+            diff_s=job.diff_s,
+            encode_s=encode_s,
+            upload_s=upload_s,
+            queued_s=queued_s,
             committed_at=manifest.updated_at,
         )
         self._after_commit(record, previous, manifest)
         return record
 
-    def _upload(self, data: bytes, kind: str, version: int, encoding: str,
-                changed: int) -> ChainEntry:
+    def _upload(
+        self, data: bytes, kind: str, version: int, encoding: str, changed: int
+    ) -> ChainEntry:
         digest = bytes_digest(data)
         path = file_path(self.config.run_id, kind, version, digest)
         self._put(path, data)
@@ -269,19 +290,25 @@ class Publisher:
         else:
             manifest = self._manifest.with_version(entries, self.config.policy.keep_anchors)
         data = manifest.to_json()
-        with_retries(lambda: self.store.publish(MANIFEST_PATH, data), what="commit manifest",
-                     attempts=self.config.attempts, backoff_s=self.config.backoff_s)
+        with_retries(
+            lambda: self.store.publish(MANIFEST_PATH, data),
+            what="commit manifest",
+            attempts=self.config.attempts,
+            backoff_s=self.config.backoff_s,
+        )
         return manifest
 
-    def _after_commit(self, record: SyncRecord, previous: Manifest | None,
-                      manifest: Manifest) -> None:
+    def _after_commit(
+        self, record: SyncRecord, previous: Manifest | None, manifest: Manifest
+    ) -> None:
         """Metrics record, then retention: files the new manifest no longer names are deleted.
 
         Failures here are logged only: the version is committed already.
         """
         try:
-            self._put(metrics_path(record.run_id, record.version),
-                      json.dumps(asdict(record)).encode())
+            self._put(
+                metrics_path(record.run_id, record.version), json.dumps(asdict(record)).encode()
+            )
         except StoreError as exc:
             log.warning("metrics record for version %d not written: %s", record.version, exc)
         if previous is None or previous.run_id != manifest.run_id:

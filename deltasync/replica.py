@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -38,8 +37,12 @@ def read_manifest(store: Store, *, attempts: int = 4, backoff_s: float = 0.5) ->
     """The bucket's manifest, or None for an empty bucket."""
     if not store.exists(MANIFEST_PATH):
         return None
-    data = with_retries(lambda: store.get(MANIFEST_PATH), what="read manifest",
-                        attempts=attempts, backoff_s=backoff_s)
+    data = with_retries(
+        lambda: store.get(MANIFEST_PATH),
+        what="read manifest",
+        attempts=attempts,
+        backoff_s=backoff_s,
+    )
     return Manifest.from_json(data)
 
 
@@ -65,8 +68,11 @@ class Replica:
         """Decode and validate `data` against the current state without changing it."""
         meta = FileMetadata.from_strings(parse_header_bytes(data, path=path).metadata, path=path)
         if meta.legacy and not self.allow_legacy:
-            raise FormatError("TRL v1 file without run id or digests; construct the Replica with "
-                              "allow_legacy=True to apply it unverified", path=path)
+            raise FormatError(
+                "TRL v1 file without run id or digests; construct the Replica with "
+                "allow_legacy=True to apply it unverified",
+                path=path,
+            )
         if not meta.legacy and meta.run_id == self.run_id and meta.version == self.version:
             return StagedUpdate(meta, path, noop=True)
         if meta.kind == "delta":
@@ -124,18 +130,25 @@ class Replica:
 
     def _check_chain(self, meta: FileMetadata, path: str | None) -> None:
         if self.version is None:
-            raise ChainError(f"cannot apply delta {meta.version} to an empty replica; load an "
-                             "anchor first", expected="anchor", found="delta")
+            raise ChainError(
+                f"cannot apply delta {meta.version} to an empty replica; load an anchor first",
+                expected="anchor",
+                found="delta",
+            )
         if meta.legacy:
             return
         if meta.run_id != self.run_id:
-            raise ChainError(f"delta of run {meta.run_id!r} refused: replica holds run "
-                             f"{self.run_id!r}", expected=self.run_id, found=meta.run_id)
+            raise ChainError(
+                f"delta of run {meta.run_id!r} refused: replica holds run {self.run_id!r}",
+                expected=self.run_id,
+                found=meta.run_id,
+            )
         if meta.base_version != self.version:
             raise ChainError(
                 f"delta {meta.version} has base {meta.base_version} but replica is at "
                 f"{self.version}{f' ({path})' if path else ''}",
-                expected=self.version, found=meta.base_version,
+                expected=self.version,
+                found=meta.base_version,
             )
 
     def _check_anchor(self, decoded: DecodedFile, path: str | None) -> None:
@@ -150,15 +163,16 @@ class Replica:
             if found != entry.digest:
                 raise DigestMismatch(name, entry.digest or "", found, path=path)
 
-    def _apply_changes(self, changes: dict[str, TensorChange], meta: FileMetadata,
-                       path: str | None) -> None:
+    def _apply_changes(
+        self, changes: dict[str, TensorChange], meta: FileMetadata, path: str | None
+    ) -> None:
         done: list[tuple[torch.Tensor, TensorChange]] = []
         try:
             for name, change in changes.items():
                 flat = self.tensors[name].view(-1)
                 flat[change.indices] = change.values
                 done.append((flat, change))
-            for name in _touched(changes, meta):
+            for name in () if meta.legacy else changes:  # legacy files carry no digests
                 expected = meta.tensors[name].digest
                 found = tensor_digest(self.tensors[name])
                 if found != expected:
@@ -169,19 +183,20 @@ class Replica:
             raise
 
 
-def _touched(changes: dict[str, TensorChange], meta: FileMetadata) -> Iterator[str]:
-    """Tensors whose digest must be re-checked after a delta (none for unverifiable legacy files)."""
-    if meta.legacy:
-        return iter(())
-    return iter(changes)
-
-
-def fetch_entry(store: Store, entry: ChainEntry, *, attempts: int = 4,
-                backoff_s: float = 0.5) -> bytes:
+def fetch_entry(
+    store: Store, entry: ChainEntry, *, attempts: int = 4, backoff_s: float = 0.5
+) -> bytes:
     """Download a manifest entry and check its size and whole-file digest before parsing."""
-    data = with_retries(lambda: store.get(entry.path), what=f"download {entry.path}",
-                        attempts=attempts, backoff_s=backoff_s)
+    data = with_retries(
+        lambda: store.get(entry.path),
+        what=f"download {entry.path}",
+        attempts=attempts,
+        backoff_s=backoff_s,
+    )
     if len(data) != entry.bytes or bytes_digest(data) != entry.digest:
-        raise FormatError(f"file does not match the manifest ({len(data)} bytes, expected "
-                          f"{entry.bytes}, or digest differs)", path=entry.path)
+        raise FormatError(
+            f"file does not match the manifest ({len(data)} bytes, expected "
+            f"{entry.bytes}, or digest differs)",
+            path=entry.path,
+        )
     return data

@@ -29,10 +29,17 @@ def with_retries(fn: Callable[[], T], *, what: str, attempts: int = 4, backoff_s
             raise
         except StoreError as exc:
             if attempt == attempts:
-                raise StoreError(f"{what}: gave up after {attempts} attempts: {exc}",
-                                 path=exc.path) from exc
+                raise StoreError(
+                    f"{what}: gave up after {attempts} attempts: {exc}", path=exc.path
+                ) from exc
             delay = backoff_s * 2 ** (attempt - 1)
-            log.warning("%s failed (attempt %d/%d), retrying in %.2fs: %s", what, attempt,
-                        attempts, delay, exc)
+            log.warning(
+                "%s failed (attempt %d/%d), retrying in %.2fs: %s",
+                what,
+                attempt,
+                attempts,
+                delay,
+                exc,
+            )
             time.sleep(delay)
     raise AssertionError("unreachable")

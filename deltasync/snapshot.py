@@ -87,8 +87,12 @@ def named_tensors(source: NamedTensors) -> list[tuple[str, torch.Tensor]]:
         if name in names:
             raise FormatError(f"duplicate parameter name {name!r}")
         names.add(name)
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tensor.dtype)
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tensor.dtype,
+        )
         if tensor.numel() and key in seen:
             continue
         seen.add(key)

@@ -68,7 +68,7 @@ def encode_anchor(
 def encode_delta(
     diff: Diff, *, run_id: str, version: int, base_version: int, encoding: str = "packed"
 ) -> bytes:
-    """A sparse delta from `base_version` to `version` carrying post-update digests of all tensors."""
+    """A sparse delta from `base_version` to `version`, with post-update digests of all tensors."""
     validate_run_id(run_id)
     if encoding not in ENCODINGS:
         raise FormatError(f"unknown encoding {encoding!r}; known: {', '.join(ENCODINGS)}")
@@ -91,8 +91,9 @@ def _changed_count(diff: Diff, name: str) -> int:
     return 0 if change is None else change.indices.numel()
 
 
-def read_metadata(read: Callable[[int, int], bytes], file_size: int | None, *,
-                  path: str | None = None) -> tuple[FileMetadata, SafetensorsHeader]:
+def read_metadata(
+    read: Callable[[int, int], bytes], file_size: int | None, *, path: str | None = None
+) -> tuple[FileMetadata, SafetensorsHeader]:
     """Metadata from the header alone (byte-range reads), as the dashboard and `inspect` need."""
     header = parse_header(read, file_size, path=path)
     return FileMetadata.from_strings(header.metadata, path=path), header
@@ -142,50 +143,63 @@ def _check_anchor_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> None
         )
     for name, info in infos.items():
         if info.shape != meta.tensors[name].shape:
-            raise FormatError(f"shape {info.shape} disagrees with metadata "
-                              f"{meta.tensors[name].shape}", tensor=name)
+            raise FormatError(
+                f"shape {info.shape} disagrees with metadata {meta.tensors[name].shape}",
+                tensor=name,
+            )
 
 
 def _check_delta_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> list[str]:
-    """The changed tensor names, once the key set, dtypes and 1-D shapes are as the encoding says."""
+    """The changed tensor names, once key set, dtypes and 1-D shapes match the encoding."""
     first, second = _SUFFIXES[meta.encoding]
     names = [k[: -len(first)] for k in infos if k.endswith(first)]
     expected = {k for n in names for k in (n + first, n + second)}
     if set(infos) != expected:
-        raise FormatError(f"unexpected keys for encoding {meta.encoding}: "
-                          f"{sorted(set(infos) ^ expected)[:5]}")
+        raise FormatError(
+            f"unexpected keys for encoding {meta.encoding}: {sorted(set(infos) ^ expected)[:5]}"
+        )
     if not meta.legacy:
         declared = {n for n, e in meta.tensors.items() if e.changed}
         if set(names) != declared:
-            raise FormatError(f"changed tensors {sorted(set(names) ^ declared)[:5]} disagree "
-                              "with metadata")
+            raise FormatError(
+                f"changed tensors {sorted(set(names) ^ declared)[:5]} disagree with metadata"
+            )
     for name in names:
         for suffix, dtype in zip((first, second), _DTYPES[meta.encoding], strict=True):
             info = infos[name + suffix]
             if info.dtype != dtype or len(info.shape) != 1:
-                raise FormatError(f"{suffix[1:]} must be 1-D {dtype}, found {info.dtype} "
-                                  f"{list(info.shape)}", tensor=name)
+                raise FormatError(
+                    f"{suffix[1:]} must be 1-D {dtype}, found {info.dtype} {list(info.shape)}",
+                    tensor=name,
+                )
     return names
 
 
-def _decode_one(meta: FileMetadata, name: str, tensors: dict[str, torch.Tensor],
-                base: Mapping[str, torch.Tensor]) -> TensorChange:
+def _decode_one(
+    meta: FileMetadata,
+    name: str,
+    tensors: dict[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor],
+) -> TensorChange:
     if name not in base:
         raise FormatError("unknown tensor name (not in the reader's model)", tensor=name)
     target = base[name]
     entry = meta.tensors.get(name)
     if entry is not None and entry.shape != tuple(target.shape):
-        raise FormatError(f"shape {entry.shape} differs from the reader's {tuple(target.shape)}",
-                          tensor=name)
+        raise FormatError(
+            f"shape {entry.shape} differs from the reader's {tuple(target.shape)}", tensor=name
+        )
     try:
         if meta.encoding == "packed":
             assert entry is not None  # packed files are never legacy
-            return packed.decode_tensor(tensors[f"{name}.gaps"], tensors[f"{name}.vals"],
-                                        entry.changed, target)
+            return packed.decode_tensor(
+                tensors[f"{name}.gaps"], tensors[f"{name}.vals"], entry.changed, target
+            )
         change = coo.decode_tensor(tensors[f"{name}.indices"], tensors[f"{name}.values"], target)
     except FormatError as exc:
         raise FormatError(str(exc), tensor=name) from None
     if entry is not None and change.indices.numel() != entry.changed:
-        raise FormatError(f"{change.indices.numel()} changes, metadata says {entry.changed}",
-                          tensor=name)
+        raise FormatError(
+            f"{change.indices.numel()} changes, metadata says {entry.changed}", tensor=name
+        )
     return change

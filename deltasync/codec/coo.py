@@ -1,4 +1,4 @@
-"""The `coo` delta encoding: TRL PR #5417's layout, `<name>.indices` int32 + `<name>.values` bf16."""
+"""The `coo` delta encoding: TRL PR #5417's `<name>.indices` int32 + `<name>.values` bf16."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ __all__ = ["decode_tensor", "encode_changes"]
 _INT32_MAX = 2**31 - 1
 
 
-def encode_changes(changes: dict[str, TensorChange], shapes: dict[str, tuple[int, ...]]
-                   ) -> dict[str, torch.Tensor]:
+def encode_changes(
+    changes: dict[str, TensorChange], shapes: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
     """Ascending int32 flat indices and new absolute bf16 values per changed tensor."""
     out = {}
     for name, change in changes.items():
@@ -21,8 +22,11 @@ def encode_changes(changes: dict[str, TensorChange], shapes: dict[str, tuple[int
         for d in shapes[name]:
             numel *= d
         if numel - 1 > _INT32_MAX:
-            raise FormatError("coo stores int32 indices; use encoding 'packed' for tensors past "
-                              f"2**31 elements ({numel})", tensor=name)
+            raise FormatError(
+                "coo stores int32 indices; use encoding 'packed' for tensors past "
+                f"2**31 elements ({numel})",
+                tensor=name,
+            )
         out[f"{name}.indices"] = change.indices.to(torch.int32)
         out[f"{name}.values"] = change.values.contiguous()
     return out
@@ -31,11 +35,14 @@ def encode_changes(changes: dict[str, TensorChange], shapes: dict[str, tuple[int
 def decode_tensor(indices: torch.Tensor, values: torch.Tensor, base: torch.Tensor) -> TensorChange:
     """Check a TRL-shaped pair against the base tensor (range, order, dtype) without mutating."""
     if indices.dtype != torch.int32 or values.dtype != torch.bfloat16:
-        raise FormatError(f"coo needs int32 indices and bf16 values, found {indices.dtype} and "
-                          f"{values.dtype}")
+        raise FormatError(
+            f"coo needs int32 indices and bf16 values, found {indices.dtype} and {values.dtype}"
+        )
     if indices.dim() != 1 or values.shape != indices.shape:
-        raise FormatError(f"coo indices {tuple(indices.shape)} and values {tuple(values.shape)} "
-                          "must be 1-D of one length")
+        raise FormatError(
+            f"coo indices {tuple(indices.shape)} and values {tuple(values.shape)} "
+            "must be 1-D of one length"
+        )
     idx = indices.to(torch.int64)
     if idx.numel():
         if int(idx[0]) < 0 or int(idx[-1]) >= base.numel():

@@ -21,8 +21,21 @@ __all__ = [
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 MAX_TENSORS = 1_000_000
-_DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4,
-                "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_DTYPE_SIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 @dataclass(frozen=True)
@@ -108,8 +121,9 @@ def parse_header_bytes(data: bytes, *, path: str | None = None) -> SafetensorsHe
 
 def _tensor_info(name: str, info: object, path: str | None) -> TensorInfo:
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-        raise FormatError("tensor entry needs exactly dtype, shape, data_offsets", path=path,
-                          tensor=name)
+        raise FormatError(
+            "tensor entry needs exactly dtype, shape, data_offsets", path=path, tensor=name
+        )
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if dtype not in _DTYPE_SIZES:
         raise FormatError(f"unknown dtype {dtype!r}", path=path, tensor=name)
@@ -140,8 +154,9 @@ def _check_layout(tensors: dict[str, TensorInfo], data_size: int | None, path: s
     position = 0
     for name, info in sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)):
         if info.start != position:
-            raise FormatError(f"data offsets leave a gap or overlap at byte {position}",
-                              path=path, tensor=name)
+            raise FormatError(
+                f"data offsets leave a gap or overlap at byte {position}", path=path, tensor=name
+            )
         position = info.end
     if data_size is not None and position != data_size:
         raise FormatError(

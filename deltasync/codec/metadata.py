@@ -158,8 +158,9 @@ def _tensor_entries(meta: dict[str, str], path: str | None) -> dict[str, TensorE
             isinstance(value, list)
             and len(value) == 3
             and isinstance(value[0], list)
-            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**50
-                    for d in value[0])
+            and all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**50 for d in value[0]
+            )
             and isinstance(value[1], str)
             and _HEX128.fullmatch(value[1])
             and isinstance(value[2], int)
@@ -168,8 +169,9 @@ def _tensor_entries(meta: dict[str, str], path: str | None) -> dict[str, TensorE
             raise FormatError(f"bad tensor entry {value!r}", path=path, tensor=name)
         entry = TensorEntry(tuple(value[0]), value[1], value[2])
         if not 0 <= entry.changed <= entry.numel:
-            raise FormatError(f"changed={entry.changed} outside 0..{entry.numel}", path=path,
-                              tensor=name)
+            raise FormatError(
+                f"changed={entry.changed} outside 0..{entry.numel}", path=path, tensor=name
+            )
         entries[name] = entry
     return entries
 

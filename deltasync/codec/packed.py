@@ -69,15 +69,17 @@ def decode_tensor(
 ) -> TensorChange:
     """Decode one tensor's changes against its base values (validated, nothing mutated)."""
     numel = base.numel()
-    gaps = leb128_decode(_decompress(gaps_blob, count * _GAP_BYTES_MAX, "gaps"), count,
-                         limit=max(numel, 1))
+    gaps = leb128_decode(
+        _decompress(gaps_blob, count * _GAP_BYTES_MAX, "gaps"), count, limit=max(numel, 1)
+    )
     if float(gaps.sum(dtype=np.float64)) + count > numel:
         raise FormatError(f"indices run past the tensor's {numel} elements")
     indices = (np.cumsum(gaps.astype(np.int64) + 1) - 1) if count else np.empty(0, np.int64)
     if count and indices[-1] >= numel:
         raise FormatError(f"index {int(indices[-1])} out of range for {numel} elements")
-    codes = leb128_decode(_decompress(vals_blob, count * _VAL_BYTES_MAX, "vals"), count,
-                          limit=1 << 16)
+    codes = leb128_decode(
+        _decompress(vals_blob, count * _VAL_BYTES_MAX, "vals"), count, limit=1 << 16
+    )
     index_tensor = torch.from_numpy(indices)
     previous = base.reshape(-1)[index_tensor]
     new_bits = previous.view(torch.int16).numpy() + zigzag_decode16(codes)

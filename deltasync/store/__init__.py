@@ -39,6 +39,8 @@ def open_store(url: str, **storage_options: Any) -> Store:
         need = _EXTRAS.get(protocol, "the fsspec backend for it")
         raise StoreError(f"the {protocol}:// store needs {need}: {exc}") from None
     except ValueError as exc:
-        known = ", ".join(sorted(fsspec.available_protocols())[:20])
-        raise StoreError(f"cannot open {url!r}: {exc}; known protocols include {known}") from None
+        raise StoreError(
+            f"cannot open {url!r}: {exc}; use a folder, hf://buckets/NS/NAME, s3://, gs://, "
+            "memory:// or another fsspec protocol"
+        ) from None
     return Store(fs, root, url)

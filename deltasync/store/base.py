@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -79,6 +80,9 @@ class Store:
         full = self._full(path)
         if not 0 <= start <= end:
             raise StoreError(f"invalid byte range {start}..{end}", path=path)
+        size = self.size(path)  # object stores answer empty or out-of-range ranges inconsistently
+        if start >= min(end, size):
+            return b""
         return self._call("get_range", path, self.fs.cat_file, full, start=start, end=end)
 
     def size(self, path: str) -> int:
@@ -93,6 +97,8 @@ class Store:
 
     def list(self, prefix: str = "") -> list[str]:
         """Relative paths of all objects under `prefix` (a folder, '' for the whole bucket)."""
+        if not isinstance(prefix, str):
+            raise StoreError(f"invalid bucket prefix {prefix!r}: expected a str")
         base = self._full(prefix.strip("/")) if prefix.strip("/") else self.root
         self.fs.invalidate_cache(base)
         try:
@@ -105,10 +111,8 @@ class Store:
     def delete(self, path: str) -> None:
         """Remove an object; deleting a missing one is not an error."""
         full = self._full(path)
-        try:
+        with contextlib.suppress(MissingFile):
             self._call("delete", path, self.fs.rm_file, full)
-        except MissingFile:
-            pass
 
     def publish(self, path: str, data: bytes) -> None:
         """Atomically replace a small commit-point object such as the manifest."""

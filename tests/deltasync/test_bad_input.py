@@ -1,4 +1,4 @@
-"""Corrupt, truncated, oversized, out-of-range, mistyped and misnamed files: clear error, no change."""
+"""Corrupt, truncated, oversized, out-of-range, mistyped, misnamed files: clear error, no change."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import AdamWLoop, tiny_qwen3
+
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
 from deltasync.replica import Replica, read_manifest
@@ -30,8 +30,9 @@ def test_fifty_versions_replay_bitwise(tmp_path, policy, encoding):
     model = tiny_qwen3()
     loop = AdamWLoop(model, lr=1e-6)
     store = open_store(str(tmp_path / "bucket"))
-    publisher = Publisher(store, PublisherConfig(run_id="run-a", encoding=encoding, policy=policy,
-                                                 backoff_s=0.01))
+    publisher = Publisher(
+        store, PublisherConfig(run_id="run-a", encoding=encoding, policy=policy, backoff_s=0.01)
+    )
     live = Replica()
     kinds, densities = [], []
     for version in range(1, 51):
@@ -53,7 +54,7 @@ def test_fifty_versions_replay_bitwise(tmp_path, policy, encoding):
     publisher.close()
     assert kinds[0] == "anchor"
     assert "delta+anchor" in kinds and kinds.count("delta") > 30
-    assert 0 < min(densities[1:]) and max(densities[1:]) < 0.2  # realistic sparsity at lr 1e-6
+    assert min(densities[1:]) > 0 and max(densities[1:]) < 0.2  # realistic sparsity at lr 1e-6
     manifest = read_manifest(store)
     assert manifest is not None and len(manifest.anchors) == 2
     referenced = manifest.referenced_paths()

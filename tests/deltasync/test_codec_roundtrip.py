@@ -12,8 +12,20 @@ from deltasync.codec import decode, encode_anchor, encode_delta
 from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot
 
-SPECIAL_BITS = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF, 0x0001, 0x8001, 0x007F,
-                0x3F80, 0xBF80]
+SPECIAL_BITS = [
+    0x0000,
+    0x8000,
+    0x7F80,
+    0xFF80,
+    0x7FC0,
+    0x7F81,
+    0xFFFF,
+    0x0001,
+    0x8001,
+    0x007F,
+    0x3F80,
+    0xBF80,
+]
 
 
 def _bits_to_bf16(bits: np.ndarray) -> torch.Tensor:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 import safetensors.torch
 import torch
+from conftest import AdamWLoop, tiny_qwen3
 from safetensors import safe_open
 
-from conftest import AdamWLoop, tiny_qwen3
 from deltasync.codec import encode_anchor, encode_delta
 from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot
@@ -18,12 +19,12 @@ from deltasync.snapshot import Bf16Snapshot
 def trl_v1_apply(path, snapshot: dict[str, torch.Tensor]) -> None:
     """An independent TRL-v1-style reader: safe_open, then scatter values at indices."""
     with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
+        meta, keys = f.metadata(), f.keys()
         assert meta["format"] == "sparse_weight_patch" and meta["sparse"] == "True"
         assert sorted(json.loads(meta["changed_params"])) == sorted(
-            k[: -len(".indices")] for k in f.keys() if k.endswith(".indices")
+            k[: -len(".indices")] for k in keys if k.endswith(".indices")
         )
-        for key in f.keys():
+        for key in keys:
             if key.endswith(".indices"):
                 name = key[: -len(".indices")]
                 indices = f.get_tensor(key).long()
@@ -43,10 +44,15 @@ def trl_v1_write(path, version: int, base: dict, new: dict) -> None:
             changed.append(name)
             total_changed += indices.numel()
     metadata = {
-        "format": "sparse_weight_patch", "version": "1", "sparse": "True",
-        "model_version": str(version), "num_changed_params": str(len(changed)),
-        "total_changed_elements": str(total_changed), "total_elements": str(total),
-        "sparsity": f"{1 - total_changed / total:.6f}", "changed_params": json.dumps(changed),
+        "format": "sparse_weight_patch",
+        "version": "1",
+        "sparse": "True",
+        "model_version": str(version),
+        "num_changed_params": str(len(changed)),
+        "total_changed_elements": str(total_changed),
+        "total_elements": str(total),
+        "sparsity": f"{1 - total_changed / total:.6f}",
+        "changed_params": json.dumps(changed),
     }
     safetensors.torch.save_file(tensors, str(path), metadata=metadata)
 
@@ -68,8 +74,11 @@ def test_our_coo_files_are_read_by_a_trl_v1_reader(tmp_path):
     for version, state in enumerate(states[1:], start=2):
         diff = snapshot.diff(state)
         path = tmp_path / f"step_{version:06d}.safetensors"
-        path.write_bytes(encode_delta(diff, run_id="r", version=version,
-                                      base_version=version - 1, encoding="coo"))
+        path.write_bytes(
+            encode_delta(
+                diff, run_id="r", version=version, base_version=version - 1, encoding="coo"
+            )
+        )
         snapshot.advance(diff)
         trl_v1_apply(path, reader_state)
         for name, tensor in state.items():
@@ -80,7 +89,7 @@ def test_trl_v1_files_are_applied_by_our_replica(tmp_path):
     states = _steps(4)
     replica = Replica(allow_legacy=True)
     replica.update(encode_anchor(states[0], run_id="r", version=1))
-    for version, (base, new) in enumerate(zip(states, states[1:], strict=False), start=2):
+    for version, (base, new) in enumerate(itertools.pairwise(states), start=2):
         path = tmp_path / f"step_{version:06d}.safetensors"
         trl_v1_write(path, version, base, new)
         assert replica.update(path.read_bytes())

@@ -1,0 +1,121 @@
+"""The manifest: strict parsing, catch-up plans and retention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deltasync.errors import ChainError, FormatError
+from deltasync.manifest import ChainEntry, Manifest, file_path
+from deltasync.policy import AnchorPolicy
+
+
+def _entry(version, kind, size):
+    return ChainEntry(
+        version,
+        kind,
+        file_path("run", kind, version, f"{version:032x}"),
+        size,
+        f"{version:032x}",
+        "packed" if kind == "delta" else "full",
+        1,
+    )
+
+
+def _chain(last, anchors=(1,), delta_bytes=10, anchor_bytes=1000, keep=2):
+    manifest = Manifest("run", 1, (_entry(1, "anchor", anchor_bytes),), (), anchor_bytes)
+    for v in range(2, last + 1):
+        entries = [_entry(v, "delta", delta_bytes)]
+        if v in anchors:
+            entries.append(_entry(v, "anchor", anchor_bytes))
+        manifest = manifest.with_version(entries, keep_anchors=keep)
+    return manifest
+
+
+def test_json_round_trip():
+    manifest = _chain(12, anchors=(1, 5, 9))
+    assert Manifest.from_json(manifest.to_json()) == manifest
+
+
+def test_retention_keeps_newest_anchors_and_their_deltas():
+    manifest = _chain(12, anchors=(1, 5, 9), keep=2)
+    assert [a.version for a in manifest.anchors] == [5, 9]
+    assert [d.version for d in manifest.deltas] == list(range(6, 13))
+
+
+def test_catch_up_prefers_cheaper_route():
+    manifest = _chain(12, anchors=(1, 5, 9))
+    assert [e.version for e in manifest.catch_up_plan("run", 10)] == [11, 12]
+    assert [e.version for e in manifest.catch_up_plan("run", 12)] == []
+    fresh = manifest.catch_up_plan(None, None)
+    assert [(e.version, e.kind) for e in fresh] == [
+        (9, "anchor"),
+        (10, "delta"),
+        (11, "delta"),
+        (12, "delta"),
+    ]
+    assert next(e.kind for e in manifest.catch_up_plan("other-run", 10)) == "anchor"
+    assert manifest.catch_up_plan("run", 2)[0].kind == "anchor"  # no longer covered by deltas
+    costly = _chain(12, anchors=(1, 5, 9), delta_bytes=400)
+    assert costly.catch_up_plan("run", 6)[0].kind == "anchor"  # 6 deltas cost more than 9 + 3
+
+
+def test_reader_ahead_of_bucket_is_an_error():
+    with pytest.raises(ChainError):
+        _chain(3).catch_up_plan("run", 7)
+
+
+def test_version_must_follow():
+    with pytest.raises(ChainError):
+        _chain(3).with_version([_entry(5, "delta", 1)], keep_anchors=2)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda m: m.pop("run_id"),
+        lambda m: m.update(extra=1),
+        lambda m: m.update(protocol="deltasync/2"),
+        lambda m: m.update(latest_version="7"),
+        lambda m: m.update(latest_version=99),
+        lambda m: m["deltas"].pop(1),
+        lambda m: m["deltas"][0].update(path="../../etc/passwd"),
+        lambda m: m["deltas"][0].update(bytes=-1),
+        lambda m: m.update(anchors=[]),
+        lambda m: m.update(run_id="../x"),
+    ],
+    ids=[
+        "missing-key",
+        "unknown-key",
+        "protocol",
+        "version-type",
+        "version-ahead",
+        "gap",
+        "traversal",
+        "negative-size",
+        "no-anchor",
+        "bad-run-id",
+    ],
+)
+def test_malformed_manifest_is_refused(mutate):
+    raw = json.loads(_chain(6, anchors=(1, 4)).to_json())
+    mutate(raw)
+    with pytest.raises(FormatError):
+        Manifest.from_json(json.dumps(raw).encode())
+
+
+def test_not_json():
+    with pytest.raises(FormatError):
+        Manifest.from_json(b"\x00not json")
+
+
+def test_anchor_policy_rules():
+    manifest = _chain(6, anchors=(1,), delta_bytes=100, anchor_bytes=1000)
+    assert AnchorPolicy(interval=5, max_delta_fraction=None).wants_anchor(manifest, 7)
+    assert not AnchorPolicy(interval=10, max_delta_fraction=None).wants_anchor(manifest, 7)
+    assert AnchorPolicy(interval=None, max_delta_fraction=0.5).wants_anchor(manifest, 7)
+    assert not AnchorPolicy(interval=None, max_delta_fraction=0.6).wants_anchor(manifest, 7)
+    assert AnchorPolicy().wants_anchor(None, 1)
+    with pytest.raises(ValueError):
+        AnchorPolicy(interval=0)
