@@ -1,6 +1,7 @@
-"""`python -m deltasync`: inspect a file, verify a bucket's chain, materialise a checkpoint.
+"""`python -m deltasync`: demo, inspect a file, verify a bucket's chain, materialise a checkpoint.
 
 Examples:
+    python -m deltasync demo --bucket ./bucket --steps 30
     python -m deltasync inspect ./bucket/runs/r1/deltas/00000002-0123456789ab.safetensors
     python -m deltasync verify ./bucket
     python -m deltasync replay s3://my-bucket/rl --version 40 --out ./ckpt-40
@@ -114,6 +115,15 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    import logging
+
+    from .demo import run_demo
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    return 1 if run_demo(args.bucket, args.steps, args.lr, args.encoding) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m deltasync",
@@ -122,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="train a small model and sync it through a local bucket")
+    p.add_argument("--bucket", default="./bucket", help="bucket folder or URL (default ./bucket)")
+    p.add_argument("--steps", type=int, default=30, help="versions to publish (default 30)")
+    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
+    p.add_argument(
+        "--encoding",
+        choices=("packed", "coo"),
+        default="packed",
+        help="delta encoding (default packed)",
+    )
+    p.set_defaults(run=_demo)
     p = sub.add_parser("inspect", help="print a file's metadata (reads only its header)")
     p.add_argument("file", help="local path or fsspec URL of an anchor or delta")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
