@@ -173,6 +173,8 @@ class Publisher:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
+            if job.future.done():  # dropped because an earlier version failed
+                continue
             try:
                 record = self._process(job)
             except Exception as exc:
@@ -189,16 +191,9 @@ class Publisher:
             if self._manifest is None:
                 self._snapshot = None
             self._failure = error
-        for other in dropped:
+        for other in dropped:  # queued jobs are skipped by the worker once their future is done
             if not other.future.done():
                 other.future.set_exception(error)
-        while True:  # drain jobs queued behind the failed one; their futures already failed
-            try:
-                if self._queue.get_nowait() is None:
-                    self._queue.put(None)
-                    break
-            except queue.Empty:
-                break
 
     def _put(self, path: str, data: bytes) -> None:
         with_retries(

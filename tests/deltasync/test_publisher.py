@@ -171,3 +171,29 @@ def test_manifest_is_written_last(tmp_path):
     commits = [i for i, p in enumerate(store.puts) if p == MANIFEST_PATH]
     files = [i for i, p in enumerate(store.puts) if p.endswith(".safetensors")]
     assert len(commits) == 2 and files[0] < commits[0] < files[1] < commits[1]
+
+
+def test_versions_queued_behind_a_failure_are_dropped_not_misapplied(tmp_path):
+    store = FlakyStore(tmp_path)
+    model = tiny_qwen3()
+    loop = AdamWLoop(model, lr=1e-3)
+    publisher = Publisher(store, _config(attempts=1, queue_size=4))
+    publisher.publish(model).result(timeout=30)
+    store.gate.clear()
+    store.fail_always = True
+    futures = []
+    for _ in range(3):
+        loop.step()
+        futures.append(publisher.publish(model))
+    store.gate.set()
+    for future in futures:
+        with pytest.raises(PublishError):
+            future.result(timeout=30)
+    store.fail_always = False
+    with pytest.raises(PublishError):
+        publisher.publish(model)
+    assert publisher.publish(model).result(timeout=30).version == 2
+    publisher.close()
+    replica = Replica()
+    replica.sync(store)
+    assert replica.version == 2 and _equal(replica, model)
