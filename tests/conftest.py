@@ -12,9 +12,16 @@ def tiny_qwen3(seed: int = 0, *, tie: bool = True):
 
     torch.manual_seed(seed)
     config = Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
-        tie_word_embeddings=tie, initializer_range=0.02,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        initializer_range=0.02,
     )
     return Qwen3ForCausalLM(config).float()
 

@@ -1,0 +1,87 @@
+"""Real Wordle servers on loopback for the tests: started as ``python -m wordle_env.server``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 60.0  # importing openenv (gradio, fastmcp) alone takes ~7 s on two cores
+_QUIET = ("--log-level", "warning")
+
+
+def _clean_environ() -> dict[str, str]:
+    """The test process's environment without settings that would change the server under test."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"MAX_CONCURRENT_ENVS", "ENABLE_WEB_INTERFACE"}
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if json.load(response).get("status") == "healthy":
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.2)
+    raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{log.read_text()}")
+
+
+def run_server(tmp: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Yield the base URL of a fresh server; stop it afterwards, whatever happened."""
+    port = _free_port()
+    log = tmp / f"server-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "wordle_env.server", "--port", str(port), *_QUIET],
+            cwd=REPO_ROOT,
+            env={**_clean_environ(), **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, log)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server with the default capacity (256), shared by the protocol tests."""
+    yield from run_server(tmp_path_factory.mktemp("wordle"))
+
+
+@pytest.fixture(scope="module")
+def load_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A default-capacity server for the load test alone, so no other test holds a slot."""
+    yield from run_server(tmp_path_factory.mktemp("wordle-load"))
