@@ -20,7 +20,7 @@ from .manifest import MANIFEST_PATH, ChainEntry, Manifest, file_path, metrics_pa
 from .policy import AnchorPolicy
 from .replica import Replica, read_manifest
 from .retry import with_retries
-from .snapshot import Bf16Snapshot, Diff, NamedTensors
+from .snapshot import Bf16Snapshot, Diff, NamedTensors, scatter
 from .store import Store
 
 __all__ = ["Publisher", "PublisherConfig", "SyncRecord"]
@@ -320,6 +320,6 @@ def _state_after(snapshot: Bf16Snapshot, diff: Diff | None) -> dict[str, torch.T
     state = dict(snapshot.tensors)
     for name, change in (diff.changes if diff else {}).items():
         patched = state[name].clone()
-        patched.view(-1)[change.indices] = change.values
+        scatter(patched, change.indices, change.values)
         state[name] = patched
     return state

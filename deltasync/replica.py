@@ -14,7 +14,7 @@ from .digest import bytes_digest, tensor_digest
 from .errors import ChainError, DigestMismatch, FormatError
 from .manifest import MANIFEST_PATH, ChainEntry, Manifest
 from .retry import with_retries
-from .snapshot import TensorChange
+from .snapshot import TensorChange, scatter
 from .store import Store
 
 __all__ = ["Replica", "StagedUpdate", "read_manifest"]
@@ -169,17 +169,16 @@ class Replica:
         done: list[tuple[torch.Tensor, TensorChange]] = []
         try:
             for name, change in changes.items():
-                flat = self.tensors[name].view(-1)
-                flat[change.indices] = change.values
-                done.append((flat, change))
+                scatter(self.tensors[name], change.indices, change.values)
+                done.append((self.tensors[name], change))
             for name in () if meta.legacy else changes:  # legacy files carry no digests
                 expected = meta.tensors[name].digest
                 found = tensor_digest(self.tensors[name])
                 if found != expected:
                     raise DigestMismatch(name, expected or "", found, path=path)
         except BaseException:
-            for flat, change in reversed(done):
-                flat[change.indices] = change.previous
+            for tensor, change in reversed(done):
+                scatter(tensor, change.indices, change.previous)
             raise
 
 

@@ -12,7 +12,15 @@ import torch
 from .digest import tensor_digest
 from .errors import FormatError
 
-__all__ = ["Bf16Snapshot", "Diff", "TensorChange", "bf16_view", "named_tensors"]
+__all__ = [
+    "Bf16Snapshot",
+    "Diff",
+    "TensorChange",
+    "bf16_view",
+    "gather",
+    "named_tensors",
+    "scatter",
+]
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module
 _WORKERS = 2
@@ -102,6 +110,16 @@ def named_tensors(source: NamedTensors) -> list[tuple[str, torch.Tensor]]:
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:
     return tensor.reshape(-1).view(torch.int16).numpy()
+
+
+def gather(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Elements of a contiguous bf16 tensor at flat indices (numpy: torch's `t[idx]` is slower)."""
+    return torch.from_numpy(_bits(tensor)[indices.numpy()]).view(torch.bfloat16)
+
+
+def scatter(tensor: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
+    """In place: `tensor.view(-1)[indices] = values` for a contiguous bf16 CPU tensor."""
+    _bits(tensor)[indices.numpy()] = values.view(torch.int16).numpy()
 
 
 def _changed(
@@ -213,4 +231,4 @@ class Bf16Snapshot:
     def advance(self, diff: Diff) -> None:
         """Move the snapshot to the state the diff describes (call once the publish committed)."""
         for name, change in diff.changes.items():
-            self._tensors[name].view(-1)[change.indices] = change.values
+            scatter(self._tensors[name], change.indices, change.values)

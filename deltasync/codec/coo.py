@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import FormatError
-from ..snapshot import TensorChange
+from ..snapshot import TensorChange, gather
 
 __all__ = ["decode_tensor", "encode_changes"]
 
@@ -49,4 +49,4 @@ def decode_tensor(indices: torch.Tensor, values: torch.Tensor, base: torch.Tenso
             raise FormatError(f"indices out of range 0..{base.numel() - 1}")
         if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
             raise FormatError("indices are not strictly ascending")
-    return TensorChange(idx, values, base.reshape(-1)[idx])
+    return TensorChange(idx, values, gather(base, idx))

@@ -16,7 +16,7 @@ import torch
 import zstandard
 
 from ..errors import FormatError
-from ..snapshot import TensorChange
+from ..snapshot import TensorChange, gather
 from .varint import leb128_decode, leb128_encode, zigzag_decode16, zigzag_encode16
 
 __all__ = ["decode_tensor", "encode_changes"]
@@ -81,6 +81,6 @@ def decode_tensor(
         _decompress(vals_blob, count * _VAL_BYTES_MAX, "vals"), count, limit=1 << 16
     )
     index_tensor = torch.from_numpy(indices)
-    previous = base.reshape(-1)[index_tensor]
+    previous = gather(base, index_tensor)
     new_bits = previous.view(torch.int16).numpy() + zigzag_decode16(codes)
     return TensorChange(index_tensor, torch.from_numpy(new_bits).view(torch.bfloat16), previous)

@@ -1,4 +1,8 @@
-"""Vectorised LEB128 and zigzag: the integer layer under the `packed` encoding."""
+"""Vectorised LEB128 and zigzag: the integer layer under the `packed` encoding.
+
+Sparse-delta integers are almost all below 128 (one byte), so both directions do one pass over
+everything and further passes only over the few multi-byte integers.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +13,29 @@ from ..errors import FormatError
 __all__ = ["leb128_decode", "leb128_encode", "zigzag_decode16", "zigzag_encode16"]
 
 _MAX_BYTES = 10  # enough for any uint64
+_LOW7 = np.uint64(0x7F)
 
 
 def leb128_encode(values: np.ndarray) -> np.ndarray:
     """Unsigned LEB128 bytes of non-negative integers, 7 bits per byte, low groups first."""
     v = values.astype(np.uint64, copy=False)
-    if v.size == 0:
-        return np.empty(0, np.uint8)
-    if int(v.max()) < 0x80:
+    big = np.flatnonzero(v >= 0x80)
+    if big.size == 0:
         return v.astype(np.uint8)
     nbytes = np.ones(v.size, np.int64)
-    for k in range(1, _MAX_BYTES):
-        nbytes += v >= np.uint64(1 << (7 * k))
+    multi, k = big, 1
+    while multi.size:
+        nbytes[multi] += 1
+        k += 1
+        multi = multi[v[multi] >= np.uint64(1 << (7 * k))] if k < _MAX_BYTES else multi[:0]
     starts = np.cumsum(nbytes) - nbytes
-    out = np.empty(int(nbytes.sum()), np.uint8)
-    for k in range(int(nbytes.max())):
-        sel = np.flatnonzero(nbytes > k) if k else slice(None)
-        chunk = (v[sel] >> np.uint64(7 * k)) & np.uint64(0x7F)
-        more = (nbytes[sel] > k + 1).astype(np.uint64) << np.uint64(7)
-        out[starts[sel] + k] = (chunk | more).astype(np.uint8)
+    out = np.zeros(int(starts[-1] + nbytes[-1]), np.uint8)
+    out[starts] = (v & _LOW7).astype(np.uint8)
+    out[starts[big]] |= 0x80
+    for k in range(1, int(nbytes[big].max())):
+        sel = big[nbytes[big] > k]
+        chunk = ((v[sel] >> np.uint64(7 * k)) & _LOW7).astype(np.uint8)
+        out[starts[sel] + k] = chunk | np.where(nbytes[sel] > k + 1, 0x80, 0).astype(np.uint8)
     return out
 
 
@@ -46,13 +54,18 @@ def leb128_decode(data: np.ndarray, count: int, *, limit: int) -> np.ndarray:
         out = data.astype(np.uint64)
     else:
         ends = np.flatnonzero(terminators)
-        starts = np.concatenate(([0], ends[:-1] + 1))
+        starts = np.empty_like(ends)
+        starts[0] = 0
+        starts[1:] = ends[:-1] + 1
         lengths = ends - starts + 1
-        if int(lengths.max()) > _MAX_BYTES:
+        multi = np.flatnonzero(lengths > 1)
+        if int(lengths[multi].max()) > _MAX_BYTES:
             raise FormatError("varint longer than 10 bytes")
-        position = np.arange(data.size) - np.repeat(starts, lengths)
-        parts = (data & 0x7F).astype(np.uint64) << (np.uint64(7) * position.astype(np.uint64))
-        out = np.bitwise_or.reduceat(parts, starts)
+        out = (data[starts] & 0x7F).astype(np.uint64)
+        for k in range(1, int(lengths[multi].max())):
+            multi = multi[lengths[multi] > k]
+            part = (data[starts[multi] + k] & 0x7F).astype(np.uint64)
+            out[multi] |= part << np.uint64(7 * k)
     if out.size and int(out.max()) >= limit:
         raise FormatError(f"varint value {int(out.max())} out of range (limit {limit})")
     return out
