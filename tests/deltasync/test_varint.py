@@ -40,7 +40,9 @@ def test_zigzag_round_trips_and_keeps_small_magnitudes_small(diffs):
     array = np.array(diffs, dtype=np.int16)
     codes = zigzag_encode16(array)
     assert np.array_equal(zigzag_decode16(codes), array)
-    assert all(int(c) == (2 * d if d >= 0 else -2 * d - 1) for c, d in zip(codes, diffs, strict=True))
+    assert all(
+        int(c) == (2 * d if d >= 0 else -2 * d - 1) for c, d in zip(codes, diffs, strict=True)
+    )
 
 
 @pytest.mark.parametrize(
