@@ -1,0 +1,108 @@
+"""The running page in headless Chromium: its DOM holds the charts' marks, its PNG shows them.
+
+Needs Debian's `chromium` (apt-get install -y chromium). To refresh the README picture:
+    DASHBOARD_SCREENSHOT=docs/dashboard.png python -m pytest -q tests/dashboard/test_screenshot.py
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from deltasync.manifest import metrics_path
+
+# Gradio 6.31's own per-event analytics table (queueing.py) trips pandas 3 deprecations.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting' is deprecated"),
+    pytest.mark.filterwarnings("ignore:The copy keyword is deprecated"),
+]
+BROWSER_TIMEOUT_S = 90
+WINDOW = (1400, 1150)
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    f"--window-size={WINDOW[0]},{WINDOW[1]}",
+    "--virtual-time-budget=20000",
+]
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        if found := shutil.which(name):
+            return found
+    pytest.fail("chromium is not on PATH: install it with `apt-get install -y chromium` (Debian)")
+
+
+def run_browser(args: list[str], profile: Path) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [chromium(), *FLAGS, f"--user-data-dir={profile}", *args],
+        capture_output=True,
+        text=True,
+        timeout=BROWSER_TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def add_replica_timings_and_reward(trainer, versions: range) -> None:
+    """What a full trainer adds to each metrics record: per-replica seconds and the reward."""
+    for v in versions:
+        path = metrics_path("run-a", v)
+        record = json.loads(trainer.store.get(path))
+        record["replicas"] = {
+            f"vllm-{r}": {
+                "stage_s": 0.30 + 0.02 * ((v * (r + 3)) % 5),
+                "pause_s": 0.02 + 0.004 * ((v + r) % 3),
+                "apply_s": 0.01 + 0.003 * ((v * (r + 1)) % 4),
+            }
+            for r in range(2)
+        }
+        record["reward_mean"] = round(0.1 + 0.6 * (1 - 0.85**v), 4)
+        record["step"] = 4 * v
+        trainer.store.put(path, json.dumps(record).encode())
+
+
+def test_page_shows_charts_with_data(trainer, launch, tmp_path):
+    trainer.publish(12)
+    add_replica_timings_and_reward(trainer, range(1, 13))
+    url = launch(trainer.store.root)
+
+    dom = run_browser(["--dump-dom", url], tmp_path / "profile-dom").stdout
+    labels = [html.unescape(s) for s in re.findall(r'aria-label="([^"]*)"', dom)]
+    assert dom.count('data-testid="altair"') == 4
+    widths = [int(w) for w in re.findall(r'<svg[^>]*class="marks"[^>]*width="(\d+)"', dom)]
+    assert len(widths) == 4 and min(widths) > 300, widths
+    assert any(lab.startswith("version: 12; sparsity: ") for lab in labels)
+    assert any("titled 'bytes (log scale)' for a log scale" in lab for lab in labels)
+    assert any(re.fullmatch(r"version: 5; .*file: anchor; bytes: \d+", lab) for lab in labels)
+    assert any(re.fullmatch(r"version: 12; .*file: delta; bytes: \d+", lab) for lab in labels)
+    assert any("series: vllm-1 pause" in lab for lab in labels)
+    assert any(re.fullmatch(r"step: 48; .*version: 12; reward: [\d.]+", lab) for lab in labels)
+    assert "replay cost for a new replica" in dom
+    assert "replicas have not reported" not in dom
+
+    png = tmp_path / "dashboard.png"
+    run_browser([f"--screenshot={png}", url], tmp_path / "profile-png")
+    image = Image.open(png).convert("RGB")
+    assert image.size == WINDOW
+    charts = image.crop((0, 120, WINDOW[0], 700)).resize((350, 145))
+    colours = {c for _, c in charts.getcolors(350 * 145) or []}
+    assert len(colours) > 40, "the chart area is nearly blank"
+    if out := os.environ.get("DASHBOARD_SCREENSHOT"):
+        shutil.copyfile(png, out)
