@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ __all__ = [
 ]
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module
-_WORKERS = 2
+WORKERS = max(2, min(8, os.cpu_count() or 2))  # numpy/xxhash/zstd release the GIL
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ class Bf16Snapshot:
             new = bf16_view(tensor)
             return name, _changed(base, new, overlay.get(name)), tensor_digest(new)
 
-        with ThreadPoolExecutor(_WORKERS) as pool:
+        with ThreadPoolExecutor(WORKERS) as pool:
             results = list(pool.map(one, items))
         changes = {name: change for name, change, _ in results if change is not None}
         digests = {name: digest for name, _, digest in results}

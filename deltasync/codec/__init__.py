@@ -55,6 +55,8 @@ def encode_anchor(
 ) -> bytes:
     """A full bf16 checkpoint that transformers and vLLM load as is (metadata format=pt)."""
     validate_run_id(run_id)
+    if version < 1:
+        raise FormatError(f"versions count from 1, got {version}")
     for name, t in tensors.items():
         if t.dtype != torch.bfloat16:
             raise FormatError(f"anchors hold bf16 tensors, found {t.dtype}", tensor=name)

