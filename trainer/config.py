@@ -1,0 +1,69 @@
+"""Model preparation and the AsyncGRPOConfig, with defaults for one GPU and for a CPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from trl.experimental.async_grpo import AsyncGRPOConfig
+
+__all__ = ["build_config", "prepare_model"]
+
+TINY = "tiny"
+
+
+def prepare_model(model: str, model_dir: str, *, seed: int = 0) -> str:
+    """The model string both the trainer and the rollout servers use.
+
+    For 'tiny', a random 2-layer Qwen3 with a byte-level tokenizer is written to `model_dir`
+    (once per seed) with TRL's Qwen3 chat template, so tool calls parse; its absolute path is
+    the served model name. Anything else is returned unchanged (a Hub id or a folder).
+    """
+    if model != TINY:
+        return model
+    from trl.chat_template_utils import qwen3_chat_template
+
+    from deltasync.vllm_ext.tiny_model import build_tiny_qwen3
+
+    directory = Path(model_dir).resolve()
+    marker = directory / "deltasync_tiny.json"
+    if not marker.exists() or json.loads(marker.read_text()).get("seed") != seed:
+        build_tiny_qwen3(directory, seed=seed)
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        config["chat_template"] = qwen3_chat_template
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        (directory / "chat_template.jinja").unlink(missing_ok=True)
+    return str(directory)
+
+
+def build_config(
+    args: argparse.Namespace, *, model: str, cpu: bool, vllm_url: str
+) -> AsyncGRPOConfig:
+    """TRL settings; the tiny model gets a high learning rate and short completions so a few
+    steps show learning on a CPU, a real model the RL defaults (lr 1e-6, 1024 tokens)."""
+    tiny = Path(model, "deltasync_tiny.json").exists()
+    lr = args.lr if args.lr is not None else (1e-2 if tiny else 1e-6)
+    length = args.max_completion_length or (16 if tiny else 1024)
+    return AsyncGRPOConfig(
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        num_generations=args.num_generations,
+        per_device_train_batch_size=args.batch_size,
+        max_completion_length=length,
+        vllm_server_base_url=vllm_url,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=args.seed,
+        use_cpu=cpu,
+        gradient_checkpointing=not cpu,
+        # On a CPU, vLLM generates faster than the trainer learns: keep the queue short so the
+        # trainer learns from the current policy instead of from minutes-old samples.
+        max_inflight_tasks=args.num_generations if cpu else -1,
+        queue_maxsize=2 * args.batch_size if cpu else 1024,
+        max_staleness=1 if cpu else 4,
+        dtype="float32",
+    )

@@ -1,0 +1,125 @@
+"""Environments for TRL's `environment_factory`: any OpenEnv server as a text tool, and Wordle.
+
+TRL creates one object per rollout in its (spawned) rollout worker, calls `reset(**row)` and
+appends the returned text to the prompt, exposes the other public methods as tools (schema from
+type hints and Google docstrings) and reads `get_reward()`. Objects must be picklable, so they
+are built with `functools.partial(Class, base_url=...)`.
+
+To swap in another OpenEnv environment, subclass `OpenEnvSession`: override `_action` (tool
+argument -> action dict) and `_text` (observation dict -> text for the model), and add one public
+method per tool, with the name, type hints and docstring the model should see, that returns
+`self._step(...)`. Every public method except `reset` and `get_reward` becomes a tool, so helpers
+stay private. See the README section "Use another OpenEnv environment".
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["OpenEnvSession", "OpenEnvTextTool", "WordleTool", "environment_factory"]
+
+
+class OpenEnvSession:
+    """One OpenEnv session per rollout (WebSocket), with no tools of its own.
+
+    The default mapping fits TextArena-style servers: the action is `{"message": text}` and the
+    observation's `messages[0].content` is a transcript that only grows, so each step returns the
+    part that is new.
+    """
+
+    def __init__(self, base_url: str):
+        self.base_url = base_url
+        self._client: Any = None
+        self._seen = ""
+        self.reward = 0.0
+        self.done = False
+
+    def _action(self, text: str) -> dict[str, Any]:
+        return {"message": text}
+
+    def _text(self, observation: dict[str, Any]) -> str:
+        messages = observation.get("messages") or []
+        transcript = messages[0]["content"] if messages else str(observation.get("prompt", ""))
+        grew = transcript.startswith(self._seen)
+        new = transcript[len(self._seen) :] if grew else transcript
+        self._seen = transcript
+        return new
+
+    def reset(self, **row: Any) -> str:
+        from openenv.core.generic_client import GenericEnvClient
+
+        self._close()
+        self._client = GenericEnvClient(base_url=self.base_url).sync()
+        self._client.connect()
+        self._seen, self.reward, self.done = "", 0.0, False
+        result = self._client.reset(**{k: v for k, v in row.items() if k in ("seed", "word")})
+        return self._text(result.observation)
+
+    def _step(self, text: str) -> str:
+        if self.done:
+            return "The game is over."
+        result = self._client.step(self._action(text))
+        self.reward = float(result.reward or 0.0)
+        self.done = bool(result.done)
+        if self.done:
+            self._close()
+        return self._text(result.observation)
+
+    def get_reward(self) -> float:
+        return self.reward
+
+    def _close(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            finally:
+                self._client = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"base_url": self.base_url}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["base_url"])
+
+
+class OpenEnvTextTool(OpenEnvSession):
+    """Any TextArena-style OpenEnv server through one tool, `act`."""
+
+    def act(self, message: str) -> str:
+        """Send one message to the environment.
+
+        Args:
+            message: the text of the action.
+
+        Returns:
+            What the environment answered.
+        """
+        return self._step(message)
+
+
+class WordleTool(OpenEnvSession):
+    """Wordle as TRL's Wordle example plays it: a `guess` tool, reward 0 after an invalid move."""
+
+    def guess(self, guess: str) -> str:
+        """Guess the secret five-letter word.
+
+        Args:
+            guess: a five-letter English word, e.g. "crane".
+
+        Returns:
+            The feedback: G (right letter, right place), Y (in the word elsewhere), X (absent).
+        """
+        text = self._step(guess if guess.startswith("[") else f"[{guess.strip().lower()}]")
+        if "You attempted an invalid move" in text:
+            self.reward = 0.0
+        return text
+
+
+def environment_factory(kind: str, base_url: str) -> Callable[[], OpenEnvSession]:
+    """`wordle` or `openenv` (any TextArena-style OpenEnv server) at `base_url`."""
+    classes = {"wordle": WordleTool, "openenv": OpenEnvTextTool}
+    if kind not in classes:
+        raise ValueError(f"unknown environment {kind!r}; known: {', '.join(classes)}")
+    return functools.partial(classes[kind], base_url=base_url)

@@ -1,0 +1,234 @@
+"""Single-GPU async GRPO that syncs weights to rollout replicas through a bucket.
+
+    # the default: a tiny Qwen3 built offline, the sanity task, one local replica on :8001
+    python -m trainer.train --bucket ./bucket --vllm-server-url http://127.0.0.1:8001
+    # Wordle through its OpenEnv server, a real model, two replicas, a Hub bucket
+    python -m trainer.train --model Qwen/Qwen3-1.7B --env wordle --env-url http://127.0.0.1:8002 \
+        --bucket hf://buckets/me/rl --vllm-server-url https://me-vllm-0.hf.space \
+        --vllm-server-url https://me-vllm-1.hf.space --lr 1e-6
+
+The weight sync is `trainer.weight_sync.BucketWeightTransfer`, passed to TRL's AsyncGRPOTrainer
+as `weight_transfer=`; the bucket protocol is in bucket_layout.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import TrainerCallback
+
+from deltasync import AnchorPolicy, Publisher, PublisherConfig, open_store
+from deltasync.vllm_ext.client import ReplicaClient
+
+from .envs import environment_factory
+from .tasks import DEFAULT_CHARS, sanity_dataset, sanity_reward
+from .weight_sync import BucketWeightTransfer
+
+log = logging.getLogger("trainer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="HF model id or folder; 'tiny' builds a random 2-layer Qwen3 offline",
+    )
+    p.add_argument(
+        "--model-dir",
+        default="./out/tiny-qwen3",
+        help="where the tiny model is written (and served from) (default %(default)s)",
+    )
+    p.add_argument(
+        "--bucket",
+        default="./bucket",
+        help="folder, hf://buckets/NS/NAME, s3://... (default %(default)s)",
+    )
+    p.add_argument("--run-id", default=None, help="run name in the bucket (default: run-<time>)")
+    p.add_argument(
+        "--vllm-server-url",
+        action="append",
+        default=None,
+        help="rollout server; repeat for several replicas (default http://127.0.0.1:8001)"
+        "; rollouts use the first, weights go to all",
+    )
+    p.add_argument(
+        "--vllm-api-key",
+        default=os.environ.get("DELTASYNC_API_KEY"),
+        help="bearer token of the rollout servers (default $DELTASYNC_API_KEY)",
+    )
+    p.add_argument(
+        "--env",
+        choices=("sanity", "wordle", "openenv"),
+        default="sanity",
+        help="sanity: reward = share of one token, no server; wordle / openenv: an "
+        "OpenEnv server at --env-url (default %(default)s)",
+    )
+    p.add_argument(
+        "--env-url",
+        default="http://127.0.0.1:8002",
+        help="OpenEnv server for --env wordle/openenv (default %(default)s)",
+    )
+    p.add_argument(
+        "--sanity-chars",
+        default=DEFAULT_CHARS,
+        help="characters whose tokens the sanity reward counts (default a-z)",
+    )
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default %(default)s)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="learning rate (default 1e-6; 1e-2 for the tiny model so learning shows)",
+    )
+    p.add_argument("--num-generations", type=int, default=8, help="completions per prompt")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per optimizer step")
+    p.add_argument(
+        "--max-completion-length",
+        type=int,
+        default=None,
+        help="tokens per completion (default 1024; 16 for the tiny model)",
+    )
+    p.add_argument(
+        "--encoding",
+        choices=("packed", "coo"),
+        default="packed",
+        help="delta encoding (default %(default)s)",
+    )
+    p.add_argument("--anchor-interval", type=int, default=50, help="anchor every N versions")
+    p.add_argument(
+        "--anchor-fraction",
+        type=float,
+        default=0.5,
+        help="also anchor once deltas since the last anchor reach this share of it",
+    )
+    p.add_argument(
+        "--verify-replicas",
+        action="store_true",
+        help="after each sync compare every served tensor's digest with the trainer's",
+    )
+    p.add_argument("--output-dir", default="./out/trainer", help="TRL output folder")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    from transformers import AutoTokenizer
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    from .config import build_config, prepare_model
+    from .cpu import enable_cpu_training
+
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        enable_cpu_training()
+    model = prepare_model(args.model, args.model_dir, seed=args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    urls = args.vllm_server_url or ["http://127.0.0.1:8001"]
+    config = build_config(args, model=model, cpu=cpu, vllm_url=urls[0])
+    run_id = args.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+    publisher = Publisher(
+        open_store(args.bucket),
+        PublisherConfig(
+            run_id=run_id,
+            encoding=args.encoding,
+            policy=AnchorPolicy(
+                interval=args.anchor_interval, max_delta_fraction=args.anchor_fraction
+            ),
+        ),
+    )
+    replicas = {f"vllm-{i}": ReplicaClient(u, args.vllm_api_key) for i, u in enumerate(urls)}
+    transfer = BucketWeightTransfer(
+        publisher, replicas, bucket=args.bucket, verify_digests=args.verify_replicas
+    )
+    task = _task(args, tokenizer)
+    trainer = AsyncGRPOTrainer(
+        model=model, args=config, processing_class=tokenizer, weight_transfer=transfer, **task
+    )
+    trainer.add_callback(_RewardToMetrics(transfer))
+    trainer.add_callback(_DrainRollouts(trainer))
+    log.info("run %s: %d steps, bucket %s, replicas %s", run_id, args.steps, args.bucket, urls)
+    trainer.train()
+    lagging = sorted(transfer.state.lagging)
+    log.info(
+        "done: run %s, last version %s, replicas %s%s",
+        run_id,
+        publisher.committed_version,
+        transfer.state.synced,
+        f", lagging {lagging}" if lagging else "",
+    )
+    return 1 if lagging else 0
+
+
+def _task(args: argparse.Namespace, tokenizer) -> dict:
+    if args.env == "sanity":
+        ids = {tuple(tokenizer.encode(c, add_special_tokens=False)) for c in args.sanity_chars}
+        if not ids or any(len(i) != 1 for i in ids):
+            raise SystemExit(f"--sanity-chars {args.sanity_chars!r}: each must be one token")
+        token_ids = frozenset(i[0] for i in ids)
+        return {"reward_funcs": [sanity_reward(token_ids)], "train_dataset": sanity_dataset()}
+    from datasets import Dataset
+
+    prompt = "Play Wordle. Call the guess tool with a five-letter word until you solve it."
+    rows = [{"prompt": [{"role": "user", "content": prompt}], "seed": i} for i in range(4096)]
+    return {
+        "environment_factory": environment_factory(args.env, args.env_url),
+        "train_dataset": Dataset.from_list(rows),
+        "reward_funcs": [],
+    }
+
+
+class _DrainRollouts(TrainerCallback):
+    """At train end, keep emptying the rollout queue so TRL's rollout child can exit at once
+    (otherwise it blocks on a full queue and is killed after TRL's 15 s join timeout)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        rollouts = self.trainer.rollout_queue
+        if rollouts is None:
+            return
+
+        def drain(deadline: float = time.monotonic() + 30) -> None:
+            while time.monotonic() < deadline:
+                try:
+                    rollouts.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                except (EOFError, OSError, ValueError):  # queue closed: the child is gone
+                    return
+
+        threading.Thread(target=drain, name="drain-rollouts", daemon=True).start()
+
+
+class _RewardToMetrics(TrainerCallback):
+    """Copies TRL's logged reward into the next metrics record (for the dashboard)."""
+
+    def __init__(self, transfer: BucketWeightTransfer):
+        self.transfer = transfer
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "reward" in logs:
+            self.transfer.reward_mean = float(logs["reward"])
+            self.transfer.step = state.global_step
+
+
+if __name__ == "__main__":
+    sys.exit(main())
