@@ -14,6 +14,7 @@ as `weight_transfer=`; the bucket protocol is in bucket_layout.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import queue
@@ -28,6 +29,7 @@ from transformers import TrainerCallback
 from deltasync import AnchorPolicy, Publisher, PublisherConfig, open_store
 from deltasync.vllm_ext.client import ReplicaClient
 
+from .auth_proxy import AuthProxy
 from .envs import environment_factory
 from .tasks import DEFAULT_CHARS, sanity_dataset, sanity_reward
 from .weight_sync import BucketWeightTransfer
@@ -141,7 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = prepare_model(args.model, args.model_dir, seed=args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
     urls = args.vllm_server_url or ["http://127.0.0.1:8001"]
-    config = build_config(args, model=model, cpu=cpu, vllm_url=urls[0])
+    stack = contextlib.ExitStack()
+    rollout_url = urls[0]
+    if args.vllm_api_key:  # TRL sends no credentials: give it a loopback proxy that adds them
+        rollout_url = stack.enter_context(AuthProxy(urls[0], args.vllm_api_key)).url
+    config = build_config(args, model=model, cpu=cpu, vllm_url=rollout_url)
     run_id = args.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     publisher = Publisher(
         open_store(args.bucket),
@@ -164,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer.add_callback(_RewardToMetrics(transfer))
     trainer.add_callback(_DrainRollouts(trainer))
     log.info("run %s: %d steps, bucket %s, replicas %s", run_id, args.steps, args.bucket, urls)
-    trainer.train()
+    with stack:
+        trainer.train()
     lagging = sorted(transfer.state.lagging)
     log.info(
         "done: run %s, last version %s, replicas %s%s",

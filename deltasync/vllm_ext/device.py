@@ -9,7 +9,7 @@ from the `previous` values the deltas carry.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -74,7 +74,9 @@ class InPlaceReplica:
         if self._views:
             if set(shapes) != set(self._views):
                 diff = sorted(set(shapes) ^ set(self._views))[:5]
-                raise FormatError(f"file names other tensors than the served model: {diff}", path=path)
+                raise FormatError(
+                    f"file names other tensors than the served model: {diff}", path=path
+                )
             return
         views = {}
         for name, slot in build_layout(self.model, shapes).items():
@@ -136,6 +138,34 @@ class InPlaceReplica:
         self.version = meta.version
         return True
 
+    def apply_all(self, steps: Iterable[Callable[[], StagedUpdate]]) -> list[int]:
+        """Stage (validate) and write each step in turn; returns the versions applied.
+
+        On an error the deltas already written are undone, newest first, so the model serves the
+        version it served before (an anchor written earlier in the same update stays: its
+        predecessor is not kept anywhere, and the error says which version is served).
+        """
+        done: list[tuple[StagedUpdate, str | None, int | None]] = []
+        try:
+            for step in steps:
+                staged = step()
+                before = (self.run_id, self.version)
+                if self.apply(staged):
+                    done.append((staged, *before))
+        except BaseException as exc:
+            for staged, run_id, version in reversed(done):
+                if staged.meta.kind == "anchor":
+                    log.error(
+                        "update failed after anchor %d was written; serving version %s: %s",
+                        staged.meta.version,
+                        self.version,
+                        exc,
+                    )
+                    break
+                self.revert(staged, run_id, version)
+            raise
+        return [staged.meta.version for staged, _, _ in done]
+
     def revert(self, staged: StagedUpdate, run_id: str | None, version: int | None) -> None:
         """Undo an applied delta (anchors cannot be undone without a shadow)."""
         if staged.noop:
@@ -166,7 +196,9 @@ class InPlaceReplica:
     def _check_chain(self, meta: FileMetadata, path: str | None) -> None:
         if self.version is None:
             raise ChainError(
-                f"cannot apply delta {meta.version} before an anchor", expected="anchor", found="delta"
+                f"cannot apply delta {meta.version} before an anchor",
+                expected="anchor",
+                found="delta",
             )
         if meta.legacy:
             return

@@ -7,12 +7,13 @@ become these frozen records in one place and are validated there.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ChainError, FormatError
 from ..manifest import ChainEntry, Manifest
 from ..store import validate_path
 
-__all__ = ["InitInfo", "UpdateInfo", "parse_version", "plan_to"]
+__all__ = ["InitInfo", "UpdateInfo", "parse_message", "parse_version", "plan_to"]
 
 
 def parse_version(value: object, *, what: str = "version") -> int:
@@ -75,7 +76,25 @@ class UpdateInfo:
                 raise FormatError(f"update_info.path: {exc}") from None
 
 
-def plan_to(manifest: Manifest, run_id: str | None, version: int | None, target: int) -> list[ChainEntry]:
+def parse_message(cls: type, raw: Any, what: str) -> Any:
+    """A record from a JSON object; unknown keys (a token, storage options, ...) are refused.
+
+    Raises `ValueError` (vLLM answers it as a bad request) naming the expected keys.
+    """
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(raw).__name__}")
+    fields = set(cls.__dataclass_fields__)
+    if unknown := sorted(set(raw) - fields):
+        raise ValueError(f"unknown {what} keys {unknown}; expected {sorted(fields)}")
+    try:
+        return cls(**raw)
+    except TypeError as exc:
+        raise ValueError(f"invalid {what}: {exc}") from None
+
+
+def plan_to(
+    manifest: Manifest, run_id: str | None, version: int | None, target: int
+) -> list[ChainEntry]:
     """Files a reader at (`run_id`, `version`) applies, in order, to reach exactly `target`.
 
     Like `Manifest.catch_up_plan`, but stops at `target` (a notification can trail the manifest):

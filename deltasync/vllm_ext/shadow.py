@@ -87,9 +87,7 @@ class ShadowReplica:
         replica = self.replica
         state = (replica.tensors, replica.run_id, replica.version)
         replica.apply(staged)
-        changes = (
-            staged.decoded.changes if staged.decoded and staged.meta.kind == "delta" else {}
-        )
+        changes = staged.decoded.changes if staged.decoded and staged.meta.kind == "delta" else {}
 
         def restore() -> None:
             for name, change in changes.items():
@@ -137,12 +135,28 @@ def vllm_reloader(model: torch.nn.Module, model_config: object) -> Reloader:
             finally:
                 for layer in layers:
                     finalize_layerwise_reload(layer, model_config)
-        head = getattr(model, "lm_head", None)
-        embed = _embedding_module(model, modules)
-        if head is not None and embed is not None and head.weight is embed.weight:
-            head.quant_method.process_weights_after_loading(head)
+            head = getattr(model, "lm_head", None)
+            embed = _embedding_module(model, modules)
+            if head is not None and embed is not None and head.weight is embed.weight:
+                layers.append(head)  # tied: the head's GEMM packs the embedding
+            for layer in layers:
+                _repack_kept_weight(layer)
 
     return reload
+
+
+def _repack_kept_weight(layer: torch.nn.Module) -> None:
+    """Re-run CPU GEMM packing for layers that keep their weight (embedding, LM head).
+
+    The layerwise reload packs the freshly materialised weight, then copies the values back into
+    the original parameter and frees the materialised one; a GEMM handle that points at the
+    weight instead of owning a packed copy would dangle (an untied LM head then crashes the
+    worker). Linear layers drop their weight after packing (empty `.weight`) and are skipped.
+    """
+    method = getattr(layer, "quant_method", None)
+    weight = getattr(layer, "weight", None)
+    if method is not None and isinstance(weight, torch.Tensor) and weight.numel() > 0:
+        method.process_weights_after_loading(layer)
 
 
 def _embedding_module(model: torch.nn.Module, modules: list[str]) -> torch.nn.Module | None:

@@ -29,7 +29,7 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 
 
-def tiny_qwen3_config(vocab_size: int = 512, *, tie: bool = True):
+def tiny_qwen3_config(vocab_size: int = 512, *, tie: bool = True, init_std: float = 0.02):
     """2 layers, hidden 64, 2 query heads and 1 kv head of 32, intermediate 128."""
     from transformers import Qwen3Config
 
@@ -43,7 +43,7 @@ def tiny_qwen3_config(vocab_size: int = 512, *, tie: bool = True):
         head_dim=32,
         max_position_embeddings=512,
         tie_word_embeddings=tie,
-        initializer_range=0.02,
+        initializer_range=init_std,
         bos_token_id=None,
         eos_token_id=256 + SPECIAL_TOKENS.index("<|im_end|>"),
         pad_token_id=256,
@@ -72,18 +72,25 @@ def _tokenizer():
 
 
 def build_tiny_qwen3(
-    directory: str | Path, *, seed: int = 0, vocab_size: int = 512, tie: bool = True
+    directory: str | Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    tie: bool = True,
+    init_std: float = 0.02,
 ) -> torch.nn.Module:
     """Write a loadable checkpoint to `directory` and return its fp32 model (the trainer's copy).
 
-    The checkpoint holds the model's bf16 view; std-0.02 init, seeded.
+    The checkpoint holds the model's bf16 view. `init_std` 0.02 is the realistic init (sparse
+    bf16 deltas at RL learning rates) but greedy decoding of such a model just repeats the last
+    token; tests that compare generations use ~0.2, which gives varied outputs.
     """
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = tiny_qwen3_config(vocab_size, tie=tie)
+    config = tiny_qwen3_config(vocab_size, tie=tie, init_std=init_std)
     model = Qwen3ForCausalLM(config).float()
     tokenizer = _tokenizer()
     if len(tokenizer) > vocab_size:
@@ -92,5 +99,5 @@ def build_tiny_qwen3(
     model.float()
     tokenizer.save_pretrained(directory)
     GenerationConfig(eos_token_id=config.eos_token_id, do_sample=False).save_pretrained(directory)
-    (directory / "deltasync_tiny.json").write_text(json.dumps({"seed": seed}))
+    (directory / "deltasync_tiny.json").write_text(json.dumps({"seed": seed, "init_std": init_std}))
     return model

@@ -41,7 +41,6 @@ def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_hf_bucket_url_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("huggingface_hub")
     _no_network(monkeypatch)
     store = open_store("hf://buckets/ns/name")
     assert type(store) is Store
@@ -50,7 +49,6 @@ def test_hf_bucket_url_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_hf_bucket_url_with_prefix_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("huggingface_hub")
     _no_network(monkeypatch)
     store = open_store("hf://buckets/ns/name/runs/r1/")
     assert store.root == "buckets/ns/name/runs/r1"

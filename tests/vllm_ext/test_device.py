@@ -1,0 +1,323 @@
+"""GPU apply path without a GPU: a stand-in with vLLM's fused Qwen3 layout on CPU tensors.
+
+The stand-in has what the in-place path relies on: `qkv_proj` / `gate_up_proj` parameters with
+`output_sizes`, `packed_modules_mapping`, an embedding padded to 64 rows, and an LM head that shares
+the embedding's parameter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from deltasync.digest import tensor_digest
+from deltasync.errors import ChainError, DigestMismatch, FormatError
+from deltasync.policy import AnchorPolicy
+from deltasync.publisher import Publisher, PublisherConfig
+from deltasync.snapshot import Bf16Snapshot
+from deltasync.store import open_store
+from deltasync.vllm_ext.device import InPlaceReplica
+from deltasync.vllm_ext.layout import build_layout, module_groups, served_name
+from deltasync.vllm_ext.tiny_model import tiny_qwen3_config
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+SENTINEL = -7.0  # fills padding rows; must never be written
+
+
+def _param(rows: int, cols: int | None = None) -> nn.Parameter:
+    shape = (rows,) if cols is None else (rows, cols)
+    return nn.Parameter(torch.full(shape, SENTINEL, dtype=torch.bfloat16), requires_grad=False)
+
+
+class Fused(nn.Module):
+    def __init__(self, output_sizes: list[int], cols: int):
+        super().__init__()
+        self.output_sizes = output_sizes
+        self.weight = _param(sum(output_sizes), cols)
+
+
+class Plain(nn.Module):
+    def __init__(self, rows: int, cols: int | None = None):
+        super().__init__()
+        self.weight = _param(rows, cols)
+
+
+class StandInQwen3(nn.Module):
+    """vLLM's Qwen3ForCausalLM parameter layout (tensor parallel 1), weights set to SENTINEL."""
+
+    packed_modules_mapping = PACKED
+
+    def __init__(self, config, pad_to: int = 64):
+        super().__init__()
+        h, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
+        q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+        padded = -(-config.vocab_size // pad_to) * pad_to
+        self.model = nn.Module()
+        self.model.embed_tokens = Plain(padded, h)
+        self.model.layers = nn.ModuleList()
+        for _ in range(config.num_hidden_layers):
+            layer = nn.Module()
+            layer.self_attn = nn.Module()
+            layer.self_attn.qkv_proj = Fused([q, kv, kv], h)
+            layer.self_attn.o_proj = Plain(h, q)
+            layer.self_attn.q_norm = Plain(hd)
+            layer.self_attn.k_norm = Plain(hd)
+            layer.mlp = nn.Module()
+            layer.mlp.gate_up_proj = Fused([inter, inter], h)
+            layer.mlp.down_proj = Plain(h, inter)
+            layer.input_layernorm = Plain(h)
+            layer.post_attention_layernorm = Plain(h)
+            self.model.layers.append(layer)
+        self.model.norm = Plain(h)
+        self.lm_head = nn.Module()
+        self.lm_head.weight = self.model.embed_tokens.weight  # tied
+
+
+def _trainer(vocab_size: int = 300, seed: int = 0):
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(tiny_qwen3_config(vocab_size)).float()
+
+
+def _step(model, lr: float, seed: int) -> None:
+    torch.manual_seed(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _expected_fused(bf16: dict[str, torch.Tensor], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pre = f"model.layers.{layer}."
+    qkv = torch.cat([bf16[f"{pre}self_attn.{m}_proj.weight"] for m in "qkv"])
+    gate_up = torch.cat([bf16[f"{pre}mlp.{m}_proj.weight"] for m in ("gate", "up")])
+    return qkv, gate_up
+
+
+def _assert_served(standin: StandInQwen3, replica: InPlaceReplica, trainer) -> None:
+    bf16 = Bf16Snapshot.capture(trainer).tensors
+    assert replica.digests() == {n: tensor_digest(t) for n, t in bf16.items()}
+    for i, layer in enumerate(standin.model.layers):
+        qkv, gate_up = _expected_fused(bf16, i)
+        assert torch.equal(layer.self_attn.qkv_proj.weight.view(torch.int16), qkv.view(torch.int16))
+        assert torch.equal(
+            layer.mlp.gate_up_proj.weight.view(torch.int16), gate_up.view(torch.int16)
+        )
+    embed = standin.model.embed_tokens.weight
+    vocab = trainer.config.vocab_size
+    assert torch.equal(
+        embed[:vocab].view(torch.int16), bf16["model.embed_tokens.weight"].view(torch.int16)
+    )
+    assert bool((embed[vocab:] == SENTINEL).all())  # padding rows never written
+    assert standin.lm_head.weight is embed
+
+
+@pytest.fixture
+def bucket(tmp_path):
+    return open_store(str(tmp_path / "bucket"))
+
+
+def _publisher(store, encoding="packed", interval=4):
+    policy = AnchorPolicy(interval=interval, max_delta_fraction=None)
+    return Publisher(
+        store, PublisherConfig("run-d", encoding=encoding, policy=policy, backoff_s=0.01)
+    )
+
+
+def _apply(replica: InPlaceReplica, store, path: str) -> bool:
+    return replica.apply(replica.stage(store.get(path), path=path))
+
+
+def test_served_names_and_groups():
+    assert served_name("model.layers.3.self_attn.k_proj.weight", PACKED) == (
+        "model.layers.3.self_attn.qkv_proj.weight",
+        1,
+    )
+    assert served_name("model.layers.0.mlp.up_proj.bias", PACKED) == (
+        "model.layers.0.mlp.gate_up_proj.bias",
+        1,
+    )
+    assert served_name("model.embed_tokens.weight", PACKED) == ("model.embed_tokens.weight", None)
+    names = [f"model.layers.0.self_attn.{m}_proj.{p}" for m in "qkvo" for p in ("weight", "bias")]
+    groups = module_groups(names, PACKED)
+    assert groups["model.layers.0.self_attn.qkv_proj"] == [n for n in names if ".o_proj." not in n]
+    assert groups["model.layers.0.self_attn.o_proj"] == names[-2:]
+
+
+def test_layout_offsets_for_fused_shards():
+    config = tiny_qwen3_config(300)
+    standin = StandInQwen3(config)
+    shapes = {
+        n: tuple(t.shape) for n, t in _trainer().state_dict().items() if n != "lm_head.weight"
+    }
+    layout = build_layout(standin, shapes)
+    q, kv, inter = 64, 32, 128
+    k = layout["model.layers.1.self_attn.k_proj.weight"]
+    v = layout["model.layers.1.self_attn.v_proj.weight"]
+    up = layout["model.layers.0.mlp.up_proj.weight"]
+    assert (k.param_name, k.shard, k.row_offset, k.rows) == (
+        "model.layers.1.self_attn.qkv_proj.weight",
+        1,
+        q,
+        kv,
+    )
+    assert (v.row_offset, v.rows) == (q + kv, kv)
+    assert (up.param_name, up.row_offset, up.rows) == (
+        "model.layers.0.mlp.gate_up_proj.weight",
+        inter,
+        inter,
+    )
+    embed = layout["model.embed_tokens.weight"]
+    assert (embed.row_offset, embed.rows) == (0, 300)
+
+
+def test_layout_refuses_what_does_not_fit():
+    standin = StandInQwen3(tiny_qwen3_config(300))
+    with pytest.raises(FormatError, match="no parameter"):
+        build_layout(standin, {"model.layers.0.mlp.w3.weight": (4, 4)})
+    with pytest.raises(FormatError, match="does not fit"):
+        build_layout(standin, {"model.layers.0.self_attn.k_proj.weight": (64, 64)})
+    with pytest.raises(FormatError, match="does not fit"):
+        build_layout(standin, {"model.embed_tokens.weight": (400, 64)})
+    standin.model.layers[0].self_attn.qkv_proj.output_sizes = [32, 16, 16]  # a TP=2 shard
+    with pytest.raises(FormatError, match="tensor parallel size 1"):
+        build_layout(standin, {"model.layers.0.self_attn.q_proj.weight": (32, 64)})
+
+
+@pytest.mark.parametrize("encoding", ["packed", "coo"])
+def test_follows_anchors_and_deltas_bitwise(bucket, encoding):
+    trainer, standin = _trainer(), StandInQwen3(tiny_qwen3_config(300))
+    replica = InPlaceReplica(standin)
+    kinds = []
+    with _publisher(bucket, encoding) as publisher:
+        for version in range(1, 10):
+            if version > 1:
+                _step(trainer, 1e-2, version)
+            record = publisher.publish(trainer).result(timeout=60)
+            kinds.append(record.kind)
+            assert _apply(replica, bucket, record.delta_path or record.anchor_path)
+            assert replica.version == version
+            _assert_served(standin, replica, trainer)
+    assert "delta+anchor" in kinds
+
+
+def test_delta_writes_only_the_changed_elements(bucket, monkeypatch):
+    trainer, standin = _trainer(), StandInQwen3(tiny_qwen3_config(300))
+    replica = InPlaceReplica(standin)
+    with _publisher(bucket) as publisher:
+        anchor = publisher.publish(trainer).result(timeout=60)
+        _apply(replica, bucket, anchor.anchor_path)
+        _step(trainer, 1e-3, 1)
+        record = publisher.publish(trainer).result(timeout=60)
+    staged = replica.stage(bucket.get(record.delta_path))
+    written, copied = [], []
+    index_copy, copy = torch.Tensor.index_copy_, torch.Tensor.copy_
+    monkeypatch.setattr(
+        torch.Tensor,
+        "index_copy_",
+        lambda t, d, i, s: written.append(i.numel()) or index_copy(t, d, i, s),
+    )
+    monkeypatch.setattr(
+        torch.Tensor, "copy_", lambda t, *a, **k: copied.append(t.numel()) or copy(t, *a, **k)
+    )
+    replica.apply(staged)
+    monkeypatch.undo()
+    assert 0 < sum(written) == record.changed_elements < record.total_elements // 2
+    assert copied == []  # no whole-tensor copies: O(changed elements)
+    _assert_served(standin, replica, trainer)
+
+
+def test_partial_fused_group_and_tied_embedding(bucket):
+    """Only k_proj, only up_proj and a few embedding rows change: partners stay exact."""
+    trainer, standin = _trainer(), StandInQwen3(tiny_qwen3_config(300))
+    replica = InPlaceReplica(standin)
+    params = dict(trainer.named_parameters())
+    with _publisher(bucket) as publisher:
+        _apply(replica, bucket, publisher.publish(trainer).result(timeout=60).anchor_path)
+        with torch.no_grad():
+            params["model.layers.0.self_attn.k_proj.weight"][5] += 1.0
+            params["model.layers.1.mlp.up_proj.weight"][:, 3] *= 2.0
+            params["model.embed_tokens.weight"][[0, 299]] = 0.5
+        record = publisher.publish(trainer).result(timeout=60)
+    staged = replica.stage(bucket.get(record.delta_path))
+    assert set(staged.decoded.changes) == {
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.mlp.up_proj.weight",
+        "model.embed_tokens.weight",
+    }
+    replica.apply(staged)
+    _assert_served(standin, replica, trainer)
+    assert bool((standin.lm_head.weight[299] == 0.5).all())
+
+
+def test_stage_changes_nothing_and_checks_digests(bucket):
+    trainer, standin = _trainer(), StandInQwen3(tiny_qwen3_config(300))
+    replica = InPlaceReplica(standin)
+    with _publisher(bucket) as publisher:
+        _apply(replica, bucket, publisher.publish(trainer).result(timeout=60).anchor_path)
+        _step(trainer, 1e-2, 1)
+        record = publisher.publish(trainer).result(timeout=60)
+    before = {n: p.detach().clone() for n, p in standin.named_parameters()}
+    data = bucket.get(record.delta_path)
+    staged = replica.stage(data)
+    assert all(torch.equal(before[n], p) for n, p in standin.named_parameters())
+    # The served weights drifted from the file's base: refused before anything is written.
+    name = "model.layers.1.self_attn.v_proj.weight"
+    assert name in staged.decoded.changes
+    replica.views[name].view(-1)[0] += 1.0  # writes into the fused qkv_proj parameter
+    assert standin.model.layers[1].self_attn.qkv_proj.weight[96, 0] == replica.views[name][0, 0]
+    with pytest.raises(DigestMismatch, match="v_proj"):
+        replica.stage(data)
+    assert replica.version == 1
+
+
+def test_failed_catch_up_reverts_the_deltas_already_written(bucket):
+    trainer, standin = _trainer(), StandInQwen3(tiny_qwen3_config(300))
+    replica = InPlaceReplica(standin)
+    paths = []
+    with _publisher(bucket, interval=100) as publisher:
+        for version in range(1, 5):
+            if version > 1:
+                _step(trainer, 1e-2, version)
+            record = publisher.publish(trainer).result(timeout=60)
+            paths.append(record.delta_path or record.anchor_path)
+    _apply(replica, bucket, paths[0])
+    before = replica.digests()
+
+    def boom():
+        raise DigestMismatch("model.norm.weight", "a", "b")
+
+    steps = [lambda p=p: replica.stage(bucket.get(p), path=p) for p in paths[1:3]]
+    with pytest.raises(DigestMismatch):
+        replica.apply_all([*steps, boom])
+    assert replica.version == 1 and replica.digests() == before
+    assert replica.apply_all(
+        [lambda p=p: replica.stage(bucket.get(p), path=p) for p in paths[1:]]
+    ) == [2, 3, 4]
+    _assert_served(standin, replica, trainer)
+
+
+def test_chain_and_model_checks(bucket):
+    trainer, standin = _trainer(), StandInQwen3(tiny_qwen3_config(300))
+    replica = InPlaceReplica(standin)
+    with _publisher(bucket, interval=100) as publisher:
+        paths = []
+        for version in range(1, 4):
+            if version > 1:
+                _step(trainer, 1e-2, version)
+            record = publisher.publish(trainer).result(timeout=60)
+            paths.append(record.delta_path or record.anchor_path)
+    with pytest.raises(ChainError, match="before an anchor"):
+        replica.stage(bucket.get(paths[1]))
+    _apply(replica, bucket, paths[0])
+    with pytest.raises(ChainError, match="base 2"):
+        replica.stage(bucket.get(paths[2]))
+    assert _apply(replica, bucket, paths[1]) and not _apply(replica, bucket, paths[1])  # duplicate
+    config = tiny_qwen3_config(300)
+    config.intermediate_size = 256
+    other = InPlaceReplica(StandInQwen3(config))
+    with pytest.raises(FormatError, match="does not fit"):
+        other.stage(bucket.get(paths[0]))
