@@ -7,23 +7,13 @@ import torch
 
 
 def tiny_qwen3(seed: int = 0, *, tie: bool = True):
-    """A 2-layer Qwen3 (head_dim 32, vocab 512) with std-0.02 init and fp32 master weights."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """The project's tiny Qwen3 (2 layers, head_dim 32) with std-0.02 init, fp32 weights."""
+    from transformers import Qwen3ForCausalLM
+
+    from deltasync.vllm_ext.tiny_model import tiny_qwen3_config
 
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
-        initializer_range=0.02,
-    )
-    return Qwen3ForCausalLM(config).float()
+    return Qwen3ForCausalLM(tiny_qwen3_config(tie=tie)).float()
 
 
 class AdamWLoop:
