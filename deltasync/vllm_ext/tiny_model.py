@@ -41,7 +41,7 @@ def tiny_qwen3_config(vocab_size: int = 512, *, tie: bool = True, init_std: floa
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
-        max_position_embeddings=512,
+        max_position_embeddings=4096,  # byte-level tokens: tool prompts run past 1000
         tie_word_embeddings=tie,
         initializer_range=init_std,
         bos_token_id=None,
@@ -67,7 +67,7 @@ def _tokenizer():
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         chat_template=CHAT_TEMPLATE,
-        model_max_length=512,
+        model_max_length=4096,
     )
 
 
