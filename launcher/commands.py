@@ -1,0 +1,81 @@
+"""Command lines of the parts: trainer, vLLM replica, Wordle server, dashboard, tiny model."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = [
+    "dashboard_command",
+    "prepare_command",
+    "replica_command",
+    "shown",
+    "trainer_command",
+    "wordle_command",
+]
+
+PY = sys.executable
+_PREPARE = (
+    "import sys; from trainer.config import prepare_model; "
+    'print(prepare_model("tiny", sys.argv[1], seed=int(sys.argv[2])))'
+)
+
+
+def shown(argv: Sequence[str]) -> str:
+    """A command line for people: this interpreter shown as `python`."""
+    return shlex.join(["python" if a == PY else a for a in argv])
+
+
+def trainer_command(
+    *,
+    model: str,
+    bucket: str,
+    urls: Sequence[str],
+    env: str,
+    env_url: str | None,
+    steps: int,
+    run_id: str,
+    model_dir: Path | None = None,
+    output_dir: Path | None = None,
+    seed: int | None = None,
+    verify: bool = False,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """`python -m trainer.train ...`; `env` is the trainer's --env (sanity, wordle, openenv)."""
+    cmd = [PY, "-m", "trainer.train", "--model", model]
+    if model_dir is not None:
+        cmd += ["--model-dir", str(model_dir)]
+    cmd += ["--bucket", bucket, "--run-id", run_id, "--steps", str(steps), "--env", env]
+    if env != "sanity" and env_url:
+        cmd += ["--env-url", env_url]
+    for url in urls:
+        cmd += ["--vllm-server-url", url]
+    if output_dir is not None:
+        cmd += ["--output-dir", str(output_dir)]
+    if seed is not None:
+        cmd += ["--seed", str(seed)]
+    if verify:
+        cmd.append("--verify-replicas")
+    return cmd + list(extra)
+
+
+def replica_command(model: str, bucket: str, port: int, vllm_args: Sequence[str]) -> list[str]:
+    """A vLLM replica following the bucket on 127.0.0.1 (token from DELTASYNC_API_KEY)."""
+    cmd = [PY, "-m", "deltasync.vllm_ext.serve", "--model", model, "--bucket", bucket]
+    return [*cmd, "--port", str(port), "--", *vllm_args]
+
+
+def wordle_command(port: int) -> list[str]:
+    return [PY, "-m", "wordle_env.server", "--host", "127.0.0.1", "--port", str(port)]
+
+
+def dashboard_command(bucket: str, port: int) -> list[str]:
+    cmd = [PY, "-m", "spaces.dashboard.app", "--bucket", bucket]
+    return [*cmd, "--host", "127.0.0.1", "--port", str(port)]
+
+
+def prepare_command(model_dir: Path, seed: int) -> list[str]:
+    """Builds the tiny Qwen3 offline (once per seed) in `model_dir`."""
+    return [PY, "-c", _PREPARE, str(model_dir), str(seed)]

@@ -1,0 +1,88 @@
+"""Frozen settings of a launch, built once by launch.py from its arguments and environment."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["LocalConfig", "SpacesConfig", "check_name", "env_kind"]
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_name(value: str | None, what: str, max_len: int) -> None:
+    """Hub names and run ids: letters, digits, `.`, `_`, `-`, starting with a letter or digit."""
+    if value is not None and (not _NAME.fullmatch(value) or len(value) > max_len):
+        raise ValueError(
+            f"{what} {value!r}: use up to {max_len} letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+
+
+def env_kind(env: str) -> str:
+    """`sanity`, `wordle`, or `openenv` (an OpenEnv server's URL) - the trainer's --env."""
+    if env in ("sanity", "wordle"):
+        return env
+    if env.startswith(("http://", "https://")):
+        return "openenv"
+    raise ValueError(f"--env must be sanity, wordle or an OpenEnv URL (http[s]://...), not {env!r}")
+
+
+@dataclass(frozen=True)
+class SpacesConfig:
+    """A deployment on Hugging Face: bucket + Docker Spaces, then the trainer here."""
+
+    model: str
+    name: str = "deltasync"
+    namespace: str | None = None
+    bucket: str | None = None  # bucket name; default <name>-weights
+    replicas: int = 1
+    vllm_flavor: str = "a10g-small"
+    env_flavor: str = "cpu-basic"
+    dashboard_flavor: str = "cpu-basic"
+    env: str = "wordle"
+    private: bool = False
+    run_name: str = "run"
+    from_template: str | None = None
+    steps: int = 200
+    vllm_args: str = "--max-model-len 4096 --gpu-memory-utilization 0.85"
+    train: bool = True
+    wait_timeout_s: float = 1800.0
+    poll_s: float = 10.0
+    workdir: Path = Path("out/launch")
+    trainer_args: tuple[str, ...] = ()
+    api_key: str | None = None  # DELTASYNC_API_KEY from the environment, if set
+    hf_cli: str | None = None
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """Every part as a process on this machine, a folder as the bucket, loopback only."""
+
+    model: str = "tiny"
+    model_dir: Path = Path("out/tiny-qwen3")
+    workdir: Path = Path("out/local")
+    bucket: Path | None = None  # default <workdir>/<run>/bucket
+    replicas: int = 1
+    env: str = "sanity"
+    run_name: str = "local"
+    steps: int = 12
+    vllm_port: int = 8001  # replica i listens on vllm_port + 10 * i
+    env_port: int = 8002
+    dashboard_port: int = 7860
+    vllm_args: str | None = None  # default: sized for the model (see local.py)
+    startup_timeout_s: float = 900.0
+    trainer_args: tuple[str, ...] = ()
+    api_key: str | None = None
+    seed: int = 0
+    dry_run: bool = False
+
+    @property
+    def run_dir(self) -> Path:
+        return self.workdir / self.run_name
+
+    @property
+    def bucket_dir(self) -> Path:
+        return self.bucket or self.run_dir / "bucket"

@@ -1,0 +1,219 @@
+"""`launch.py --local`: every part as a process on this machine, a folder as the bucket.
+
+Order: the Wordle server (with `--env wordle`) and the dashboard start first, the tiny model is
+built offline, then the vLLM replicas start and catch up with the bucket; once every process is
+healthy the trainer runs its bounded number of steps. When it ends (or anything fails, or Ctrl-C)
+every process is stopped and a summary says where the bucket and the dashboard are.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shlex
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .commands import (
+    dashboard_command,
+    prepare_command,
+    replica_command,
+    shown,
+    trainer_command,
+    wordle_command,
+)
+from .config import LocalConfig, env_kind
+from .errors import LaunchError, ProcessFailed
+from .staging import REPO_ROOT
+from .supervisor import ProcessSpec, Supervisor
+
+__all__ = ["LocalPlan", "local_plan", "run_local", "summarize"]
+
+TINY = "tiny"
+# Wordle's prompt with its tool schema is ~1300 tokens for the tiny model's byte-level tokenizer.
+TOOL_CONTEXT = 2048
+_TINY_VLLM_ARGS = "--max-model-len 512 --max-num-seqs 16 --disable-log-stats"
+_VLLM_ARGS = f"--max-model-len {TOOL_CONTEXT} --max-num-seqs 16 --disable-log-stats"
+_PREPARE_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """The processes of a local run, in start order (services, then the trainer)."""
+
+    prepare: ProcessSpec | None
+    services: tuple[ProcessSpec, ...]
+    trainer: ProcessSpec
+    bucket: Path
+    run_dir: Path
+    dashboard_url: str
+    api_key: str
+
+
+def local_plan(cfg: LocalConfig) -> LocalPlan:
+    """Command lines, environments and health checks of every process (pure; no side effect)."""
+    kind = env_kind(cfg.env)
+    run_dir = cfg.run_dir.resolve()
+    bucket = cfg.bucket_dir.resolve()
+    model_dir = cfg.model_dir.resolve()
+    tiny = cfg.model == TINY
+    served = str(model_dir) if tiny else cfg.model  # the replicas serve the trainer's string
+    key = cfg.api_key or secrets.token_urlsafe(24)
+    short = tiny and kind == "sanity"
+    vllm_args = shlex.split(cfg.vllm_args or (_TINY_VLLM_ARGS if short else _VLLM_ARGS))
+    services = []
+    env_url = None
+    if kind == "wordle":
+        env_url = f"http://127.0.0.1:{cfg.env_port}"
+        services.append(
+            ProcessSpec(
+                "wordle",
+                tuple(wordle_command(cfg.env_port)),
+                ready_url=f"{env_url}/health",
+                stop_grace_s=10,
+            )
+        )
+    elif kind == "openenv":
+        env_url = cfg.env
+    dashboard_url = f"http://127.0.0.1:{cfg.dashboard_port}"
+    services.append(
+        ProcessSpec(
+            "dashboard",
+            tuple(dashboard_command(str(bucket), cfg.dashboard_port)),
+            env={"GRADIO_ANALYTICS_ENABLED": "False"},
+            ready_url=dashboard_url + "/",
+            stop_grace_s=10,
+        )
+    )
+    urls = []
+    for i in range(cfg.replicas):
+        port = cfg.vllm_port + 10 * i
+        urls.append(f"http://127.0.0.1:{port}")
+        services.append(
+            ProcessSpec(
+                f"vllm-{i}",
+                tuple(replica_command(served, str(bucket), port, vllm_args)),
+                env={"DELTASYNC_API_KEY": key},
+                ready_line="ready on ",
+                # serve.py gives vLLM 20 s to stop its own process tree; give it that and more.
+                stop_grace_s=45,
+            )
+        )
+    trainer = ProcessSpec(
+        "trainer",
+        tuple(
+            trainer_command(
+                model=cfg.model,
+                model_dir=model_dir if tiny else None,
+                bucket=str(bucket),
+                urls=urls,
+                env=kind,
+                env_url=env_url,
+                steps=cfg.steps,
+                run_id=cfg.run_name,
+                output_dir=run_dir / "trainer",
+                seed=cfg.seed,
+                verify=True,
+                extra=cfg.trainer_args,
+            )
+        ),
+        env={"DELTASYNC_API_KEY": key, "TRL_EXPERIMENTAL_SILENCE": "1"},
+        stop_grace_s=20,
+    )
+    prepare = None
+    if tiny:
+        prepare = ProcessSpec(
+            "prepare",
+            tuple(prepare_command(model_dir, cfg.seed)),
+            env={"TRL_EXPERIMENTAL_SILENCE": "1"},
+        )
+    return LocalPlan(prepare, tuple(services), trainer, bucket, run_dir, dashboard_url, key)
+
+
+def run_local(cfg: LocalConfig, echo: Callable[[str], None] = print) -> int:
+    """Run everything; returns the trainer's exit status (0: every sync done and verified)."""
+    plan = local_plan(cfg)
+    if cfg.dry_run:
+        echo(f"would run (bucket {plan.bucket}, logs {plan.run_dir / 'logs'}):")
+        for spec in (*([plan.prepare] if plan.prepare else []), *plan.services, plan.trainer):
+            echo(f"  $ {shown(spec.argv)}")
+        return 0
+    _check_ports(cfg)
+    plan.bucket.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with Supervisor(log_dir=plan.run_dir / "logs", cwd=REPO_ROOT) as sup:
+        sup.say(f"run {cfg.run_name}: bucket {plan.bucket}, logs {plan.run_dir / 'logs'}")
+        early = [sup.start(s) for s in plan.services if not s.name.startswith("vllm-")]
+        if plan.prepare is not None:
+            prep = sup.start(plan.prepare)
+            if sup.wait_exit(prep, _PREPARE_TIMEOUT_S) != 0:
+                raise ProcessFailed(
+                    f"building the tiny model failed:\n{prep.last_lines()}", name="prepare"
+                )
+            if env_kind(cfg.env) != "sanity" and cfg.vllm_args is None:
+                _check_context(cfg.model_dir.resolve())
+        replicas = [sup.start(s) for s in plan.services if s.name.startswith("vllm-")]
+        sup.wait_ready([*early, *replicas], cfg.startup_timeout_s)
+        sup.say(f"all healthy; dashboard at {plan.dashboard_url}; training {cfg.steps} steps")
+        code = sup.wait_exit(sup.start(plan.trainer))
+        sup.say(f"trainer exited with status {code}")
+    for line in summarize(plan, cfg, time.monotonic() - started, code):
+        echo(line)
+    return code
+
+
+def summarize(plan: LocalPlan, cfg: LocalConfig, elapsed_s: float, code: int) -> list[str]:
+    """What happened, read back from the bucket's metrics records, and where things are."""
+    records = []
+    for path in sorted((plan.bucket / "runs" / cfg.run_name / "metrics").glob("*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    verified: dict[str, int] = {}
+    for record in records:
+        for name, result in (record.get("replicas") or {}).items():
+            verified[name] = verified.get(name, 0) + bool(result.get("ok"))
+    per_replica = ", ".join(f"{n}: {k}/{len(records)}" for n, k in sorted(verified.items()))
+    status = "done" if code == 0 else f"trainer failed (status {code})"
+    view = shown(dashboard_command(str(plan.bucket), cfg.dashboard_port))
+    return [
+        f"{status} in {elapsed_s / 60:.1f} min: run {cfg.run_name}, {len(records)} versions "
+        f"published, verified by the replicas ({per_replica or 'none'})",
+        f"bucket:    {plan.bucket}   (python -m deltasync verify {plan.bucket})",
+        f"dashboard: was {plan.dashboard_url}; view it again with: {view}",
+        f"logs:      {plan.run_dir / 'logs'}",
+    ]
+
+
+def _check_context(model_dir: Path) -> None:
+    """Fail now, not after minutes of rejected requests, when tool prompts cannot fit."""
+    config = json.loads((model_dir / "config.json").read_text())
+    context = int(config.get("max_position_embeddings") or 0)
+    if context < TOOL_CONTEXT:
+        raise LaunchError(
+            f"the tiny model's context ({context} tokens) is shorter than a Wordle/OpenEnv "
+            f"prompt with its tool (~1300 tokens, {TOOL_CONTEXT} needed): use --env sanity, or "
+            "a real model (--model Qwen/Qwen3-0.6B, where the Hub is reachable)"
+        )
+
+
+def _check_ports(cfg: LocalConfig) -> None:
+    ports = {"--dashboard-port": cfg.dashboard_port}
+    if env_kind(cfg.env) == "wordle":
+        ports["--env-port"] = cfg.env_port
+    for i in range(cfg.replicas):
+        ports[f"--vllm-port (replica {i})"] = cfg.vllm_port + 10 * i
+    for option, port in ports.items():
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                raise LaunchError(
+                    f"port {port} on 127.0.0.1 is in use: stop what listens there or pass "
+                    f"{option.split()[0]} PORT"
+                ) from None

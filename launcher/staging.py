@@ -1,0 +1,119 @@
+"""Docker build contexts for the Spaces: a template folder plus this repository's packages.
+
+Each context is a copy of the sources at this revision (nothing is installed from a moving
+source), so the Space builds exactly what was tested here; `BUILD_INFO.json` records the git
+commit and a digest of the staged files. Staging is deterministic: an unchanged tree stages to
+the same bytes, and `hf upload` then has nothing to commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+from .errors import LaunchError
+from .plan import MARKER_TAG
+
+__all__ = ["CONTEXTS", "REPO_ROOT", "describe", "revision", "stage"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUILD_INFO = "BUILD_INFO.json"
+_SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache")
+
+# kind -> (repository path, path in the context); a folder's files are copied as they are.
+# The layouts are the ones each Space's README describes ("Build context").
+CONTEXTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "vllm": (("spaces/vllm", "."), ("deltasync", "deltasync")),
+    "wordle": (("spaces/wordle", "."), ("wordle_env", "wordle_env")),
+    "dashboard": (
+        ("spaces/dashboard/Dockerfile", "Dockerfile"),
+        ("spaces/dashboard/README.md", "README.md"),
+        ("pyproject.toml", "pyproject.toml"),
+        ("deltasync", "deltasync"),
+        ("spaces/dashboard", "spaces/dashboard"),
+    ),
+}
+
+
+def describe(kind: str) -> str:
+    """One line naming what goes into the context (for dry runs and progress)."""
+    return " + ".join(src for src, _ in CONTEXTS[kind])
+
+
+def stage(kind: str, dest: Path, root: Path = REPO_ROOT) -> Path:
+    """Write the build context of `kind` into `dest` (replaced), return `dest`."""
+    if kind not in CONTEXTS:
+        raise LaunchError(f"no Space template {kind!r}; known: {', '.join(sorted(CONTEXTS))}")
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for src_rel, dst_rel in CONTEXTS[kind]:
+        src, dst = root / src_rel, dest / dst_rel
+        if not src.exists():
+            raise LaunchError(f"cannot stage the {kind} Space: {src} is missing")
+        if src.is_dir() and dst_rel == ".":
+            for item in sorted(src.iterdir()):
+                if item.is_file():
+                    shutil.copy2(item, dest / item.name)
+        elif src.is_dir():
+            shutil.copytree(src, dst, ignore=_SKIP, dirs_exist_ok=True)
+        else:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+    readme = dest / "README.md"
+    if readme.is_file():
+        readme.write_text(_with_tag(readme.read_text(), MARKER_TAG))
+    info = {"kind": kind, **revision(root), "files_sha256": _tree_digest(dest)}
+    (dest / BUILD_INFO).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+    return dest
+
+
+def _with_tag(readme: str, tag: str) -> str:
+    """The README with `tag` in its front matter's `tags:` list (launch.py's marker)."""
+    lines = readme.split("\n")
+    if not lines or lines[0].strip() != "---" or "---" not in (x.strip() for x in lines[1:]):
+        raise LaunchError("a Space README must start with YAML front matter (---)")
+    end = next(i for i in range(1, len(lines)) if lines[i].strip() == "---")
+    front = lines[1:end]
+    if any(x.strip() == f"- {tag}" for x in front):
+        return readme
+    at = next((i for i, x in enumerate(front) if x.startswith("tags:")), None)
+    if at is None:
+        front += ["tags:", f"  - {tag}"]
+    elif front[at].strip() == "tags:":
+        front.insert(at + 1, f"  - {tag}")
+    else:  # inline list: tags: [a, b]
+        inner = front[at].split(":", 1)[1].strip().strip("[]")
+        items = [x.strip() for x in inner.split(",") if x.strip()]
+        if tag in items:
+            return readme
+        front[at] = "tags: [" + ", ".join([*items, tag]) + "]"
+    return "\n".join([lines[0], *front, *lines[end:]])
+
+
+def _tree_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(path.relative_to(folder).as_posix().encode() + b"\0")
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def revision(root: Path) -> dict[str, object]:
+    """Git commit of the sources and whether the working tree differs from it."""
+
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(
+                ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "modified": bool(status) if status is not None else None}

