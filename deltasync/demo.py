@@ -66,24 +66,8 @@ def run_demo(bucket: str, steps: int, lr: float, encoding: str, seed: int = 0) -
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             record = publisher.publish(model).result(timeout=120)
-            log.info(
-                "Delta: %d/%d elements changed (sparsity=%.2f%%)",
-                record.changed_elements,
-                record.total_elements,
-                100 * record.sparsity,
-            )
-            for path, size in (
-                (record.delta_path, record.delta_bytes),
-                (record.anchor_path, record.anchor_bytes),
-            ):
-                if path:
-                    log.info(
-                        "uploaded %s/%s (%.1f KB, %.1fx smaller than full bf16)",
-                        bucket,
-                        path,
-                        size / 1e3,
-                        record.full_bytes / size,
-                    )
+            for line in record.log_lines(bucket):
+                log.info("%s", line)
             started = time.perf_counter()
             replica.sync(store)
             expected = Bf16Snapshot.capture(model).tensors

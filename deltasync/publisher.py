@@ -75,6 +75,25 @@ class SyncRecord:
     queued_s: float
     committed_at: float
 
+    def log_lines(self, bucket: str) -> list[str]:
+        """The design's per-sync log lines: what changed, then each uploaded file."""
+        lines = [
+            f"Delta: {self.changed_elements}/{self.total_elements} elements changed "
+            f"(sparsity={100 * self.sparsity:.2f}%)"
+        ]
+        for path, size in (
+            (self.delta_path, self.delta_bytes),
+            (self.anchor_path, self.anchor_bytes),
+        ):
+            if path:
+                shown = f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.1f} KB"
+                lines.append(
+                    f"uploaded {bucket.rstrip('/')}/{path} ({shown}, "
+                    f"{self.full_bytes / size:.1f}x smaller than full bf16, "
+                    f"encode {self.encode_s:.2f}s, upload {self.upload_s:.2f}s)"
+                )
+        return lines
+
 
 @dataclass
 class _Job:

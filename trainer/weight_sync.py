@@ -141,25 +141,8 @@ class BucketWeightTransfer:
         self, future: Future[SyncRecord], started: float, expected: dict[str, str] | None
     ) -> dict:
         record = future.result()
-        log.info(
-            "Delta: %d/%d elements changed (sparsity=%.2f%%)",
-            record.changed_elements,
-            record.total_elements,
-            100 * record.sparsity,
-        )
-        for path, size in (
-            (record.delta_path, record.delta_bytes),
-            (record.anchor_path, record.anchor_bytes),
-        ):
-            if path:
-                log.info(
-                    "uploaded %s/%s (%s, encode %.2fs, upload %.2fs)",
-                    self.bucket.rstrip("/"),
-                    path,
-                    _size(size),
-                    record.encode_s,
-                    record.upload_s,
-                )
+        for line in record.log_lines(self.bucket):
+            log.info("%s", line)
         path = record.delta_path or record.anchor_path
         outcomes = self._fanout.map(
             lambda name: self._sync_one(name, record.version, path, expected), self.replicas
@@ -243,7 +226,3 @@ def _check_digests(served: dict[str, str], expected: dict[str, str]) -> None:
 def _materialise(iterator: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """TRL yields live parameter views; the publisher diffs them before returning."""
     return list(iterator)
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
