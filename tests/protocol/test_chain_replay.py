@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop, tiny_qwen3
 
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig

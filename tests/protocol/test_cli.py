@@ -9,7 +9,7 @@ import sys
 import pytest
 import safetensors.torch
 import torch
-from conftest import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop, tiny_qwen3
 
 from deltasync.cli import main
 from deltasync.policy import AnchorPolicy

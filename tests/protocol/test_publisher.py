@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop, tiny_qwen3
 
 from deltasync.errors import PublishError, StoreError
 from deltasync.manifest import MANIFEST_PATH

@@ -8,7 +8,7 @@ import json
 import pytest
 import safetensors.torch
 import torch
-from conftest import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop, tiny_qwen3
 from safetensors import safe_open
 
 from deltasync.codec import encode_anchor, encode_delta
