@@ -82,6 +82,8 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.info = init_info
         if self.state is None:
             self.state = self._make_state(init_info)
+        if isinstance(self.state, ShadowReplica):
+            self.state.prepack = init_info.prepack
         log.info(
             "deltasync: following %s (%s path)",
             init_info.bucket,

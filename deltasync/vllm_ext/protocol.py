@@ -39,16 +39,20 @@ class InitInfo:
         verify: check every tensor digest before the served weights change (GPU path: one
             device-to-host copy of each touched tensor while still serving).
         allow_legacy: accept TRL v1 files, which carry no run, base or digests.
+        prepack: CPU path: pack touched modules while serving so the pause only swaps them in
+            (needs memory for one more copy of the touched weights); false reloads them in the
+            pause. Can be changed by calling init again.
     """
 
     bucket: str
     verify: bool = True
     allow_legacy: bool = False
+    prepack: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket, str) or not self.bucket.strip():
             raise FormatError(f"init_info.bucket must be a store URL, got {self.bucket!r}")
-        for name in ("verify", "allow_legacy"):
+        for name in ("verify", "allow_legacy", "prepack"):
             if not isinstance(getattr(self, name), bool):
                 raise FormatError(f"init_info.{name} must be true or false")
 

@@ -51,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to get healthy")
     p.add_argument("--no-bootstrap", action="store_true", help="do not catch up at start")
+    p.add_argument(
+        "--no-prepack",
+        action="store_true",
+        help="CPU: reload touched modules inside the pause instead of packing them while "
+        "serving (saves one copy of the touched weights in memory)",
+    )
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then arguments for vLLM")
     return p
 
@@ -108,9 +114,9 @@ def _wait_healthy(client: ReplicaClient, proc: subprocess.Popen, timeout_s: floa
     raise DeltaSyncError(f"vLLM not healthy after {timeout_s:.0f}s")
 
 
-def bootstrap(client: ReplicaClient, bucket: str) -> int | None:
+def bootstrap(client: ReplicaClient, bucket: str, *, prepack: bool = True) -> int | None:
     """Point the server at the bucket and catch up with its latest version (None: empty)."""
-    client.init(bucket)
+    client.init(bucket, prepack=prepack)
     manifest = read_manifest(open_store(bucket))
     if manifest is None:
         log.info("bucket %s is empty: serving nothing until the first version arrives", bucket)
@@ -184,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _wait_healthy(client, proc, args.startup_timeout)
         if args.bucket and not args.no_bootstrap:
-            bootstrap(client, args.bucket)
+            bootstrap(client, args.bucket, prepack=not args.no_prepack)
         elif args.bucket:
-            client.init(args.bucket)
+            client.init(args.bucket, prepack=not args.no_prepack)
         log.info(
             "ready on %s:%d (weight version %s)", args.host, args.port, client.weight_version()
         )

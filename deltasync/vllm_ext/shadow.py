@@ -53,7 +53,7 @@ class ShadowReplica:
             names being reloaded. `vllm_reloader(model, model_config)` in a vLLM worker.
         packed: the model's `packed_modules_mapping` (fused modules and their members).
         swapper: prepares modules off the pause; used once `self_check` passed after the
-            first full load (else every update reloads).
+            first full load (else every update reloads), and while `prepack` is true.
     """
 
     def __init__(
@@ -69,6 +69,7 @@ class ShadowReplica:
         self.packed = packed
         self.swapper = swapper
         self.swapping: bool | None = None  # None: not checked yet
+        self.prepack = True
 
     @property
     def run_id(self) -> str | None:
@@ -103,7 +104,7 @@ class ShadowReplica:
             touched |= names
             versions.append(staged.meta.version)
         modules = None
-        if touched and self.swapping and self.swapper is not None:
+        if touched and self.prepack and self.swapping and self.swapper is not None:
             modules = self.swapper.prepare(work.tensors, touched)
         state = (work.run_id, work.version, versions, work.tensors)
         return PreparedUpdate(self.base, *state, frozenset(touched), modules)

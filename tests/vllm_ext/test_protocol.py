@@ -71,6 +71,8 @@ def test_messages_are_validated():
         InitInfo(bucket="")
     with pytest.raises(FormatError, match="verify"):
         InitInfo(bucket="/tmp/b", verify="yes")
+    with pytest.raises(FormatError, match="prepack"):
+        InitInfo(bucket="/tmp/b", prepack=0)
 
 
 def test_credentials_never_come_from_a_request():

@@ -290,6 +290,21 @@ def test_twenty_syncs_bitwise_and_greedy(served):
     assert max(densities) < 0.9  # sparse deltas, not full rewrites
 
 
+def test_without_prepack_touched_modules_are_reloaded_in_the_pause(served):
+    trainer, client = served.trainer, served.client
+    client.init(trainer.bucket, prepack=False)
+    try:
+        trainer.step()
+        record = trainer.publish()
+        client.sync_to(record.version, record.delta_path)
+        assert client.status()["last_update"]["swapped"] is False
+        _assert_serves(served, record.version)
+    finally:
+        client.init(trainer.bucket)
+    trainer.step()
+    _sync(served, trainer.publish())  # and back to swapping
+
+
 def test_partial_fused_groups_and_tied_embedding(served):
     """Only k_proj (in qkv_proj), only up_proj (in gate_up_proj) and a few embedding rows (tied
     to the LM head) change: the fused partners and the other rows must stay exact."""
