@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import zstandard
 
-from bench.codec import _leb128, entropy_floor
-from bench.realistic import SHAPES, deltas
+from deltasync.bench.codec import _leb128, entropy_floor
+from deltasync.bench.realistic import SHAPES, deltas
 
 
 def rice_encode(gaps: np.ndarray) -> tuple[int, bytes, bytes]:

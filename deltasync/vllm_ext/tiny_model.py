@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CHAT_TEMPLATE", "build_tiny_qwen3", "tiny_qwen3_config"]
+__all__ = ["CHAT_TEMPLATE", "build_tiny_qwen3", "byte_level_tokenizer", "tiny_qwen3_config"]
 
 # The Qwen3 chat template, reduced to what a text-only rollout needs (system/user/assistant turns,
 # an optional empty think block, the generation prompt).
@@ -51,7 +51,7 @@ def tiny_qwen3_config(vocab_size: int = 512, *, tie: bool = True, init_std: floa
     )
 
 
-def _tokenizer():
+def byte_level_tokenizer():
     """Byte-level BPE without merges: 256 byte tokens plus Qwen's special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -92,7 +92,7 @@ def build_tiny_qwen3(
     torch.manual_seed(seed)
     config = tiny_qwen3_config(vocab_size, tie=tie, init_std=init_std)
     model = Qwen3ForCausalLM(config).float()
-    tokenizer = _tokenizer()
+    tokenizer = byte_level_tokenizer()
     if len(tokenizer) > vocab_size:
         raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)}")
     model.to(torch.bfloat16).save_pretrained(directory)

