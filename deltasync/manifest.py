@@ -176,7 +176,7 @@ class Manifest:
             )
         try:
             raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # also too deep or a number too long
             raise FormatError(f"manifest is not JSON: {exc}", path=path) from None
         keys = {f.name for f in cls.__dataclass_fields__.values()}
         if not isinstance(raw, dict) or set(raw) != keys:
@@ -195,7 +195,7 @@ class Manifest:
                     raise FormatError(f"manifest {key} must be a non-negative integer")
             if not isinstance(raw["updated_at"], (int, float)):
                 raise FormatError("manifest updated_at must be a number")
-            return cls(
+            manifest = cls(
                 run_id=raw["run_id"],
                 latest_version=raw["latest_version"],
                 anchors=tuple(ChainEntry.from_dict(a) for a in raw["anchors"]),
@@ -204,5 +204,15 @@ class Manifest:
                 updated_at=float(raw["updated_at"]),
                 protocol=raw["protocol"],
             )
-        except (FormatError, TypeError) as exc:
+            for entry in (*manifest.anchors, *manifest.deltas):
+                # Only this run's files, named by version and digest (never the manifest,
+                # a metrics record or another run's file), before anything is read.
+                expected = file_path(manifest.run_id, entry.kind, entry.version, entry.digest)
+                if entry.path != expected:
+                    raise FormatError(
+                        f"manifest entry path {entry.path!r} is not this run's {entry.kind} "
+                        f"file for version {entry.version} ({expected!r})"
+                    )
+            return manifest
+        except (FormatError, TypeError, OverflowError) as exc:  # float(10**400): OverflowError
             raise FormatError(f"invalid manifest: {exc}", path=path) from None

@@ -327,7 +327,10 @@ class Publisher:
             log.warning("metrics record for version %d not written: %s", record.version, exc)
         if previous is None or previous.run_id != manifest.run_id:
             return
-        for path in sorted(previous.referenced_paths() - manifest.referenced_paths()):
+        # Also this version's own delta when retention already drops it (keep_anchors=1 and an
+        # anchor at this version): no manifest ever names it, so nothing else would delete it.
+        uploaded = {p for p in (record.delta_path, record.anchor_path) if p}
+        for path in sorted((previous.referenced_paths() | uploaded) - manifest.referenced_paths()):
             try:
                 self.store.delete(path)
             except StoreError as exc:

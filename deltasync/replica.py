@@ -12,10 +12,10 @@ from .codec.header import parse_header_bytes
 from .codec.metadata import FileMetadata
 from .digest import bytes_digest, tensor_digest
 from .errors import ChainError, DigestMismatch, FormatError
-from .manifest import MANIFEST_PATH, ChainEntry, Manifest
+from .manifest import MANIFEST_PATH, MAX_MANIFEST_BYTES, ChainEntry, Manifest
 from .retry import with_retries
 from .snapshot import TensorChange, scatter
-from .store import Store
+from .store import MissingFile, Store
 
 __all__ = ["Replica", "StagedUpdate", "read_manifest"]
 
@@ -34,9 +34,24 @@ class StagedUpdate:
 
 
 def read_manifest(store: Store, *, attempts: int = 4, backoff_s: float = 0.5) -> Manifest | None:
-    """The bucket's manifest, or None for an empty bucket."""
-    if not store.exists(MANIFEST_PATH):
+    """The bucket's manifest, or None for an empty bucket.
+
+    Its size is checked before it is downloaded, so an oversized object is never held in memory.
+    """
+    try:
+        size = with_retries(
+            lambda: store.size(MANIFEST_PATH),
+            what="read manifest size",
+            attempts=attempts,
+            backoff_s=backoff_s,
+        )
+    except MissingFile:
         return None
+    if size > MAX_MANIFEST_BYTES:
+        raise FormatError(
+            f"manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}; not downloaded",
+            path=MANIFEST_PATH,
+        )
     data = with_retries(
         lambda: store.get(MANIFEST_PATH),
         what="read manifest",
@@ -77,6 +92,15 @@ class Replica:
             return StagedUpdate(meta, path, noop=True)
         if meta.kind == "delta":
             self._check_chain(meta, path)
+            if not meta.legacy:
+                self._check_model(meta, path)
+        elif not meta.legacy and meta.run_id == self.run_id and meta.version < (self.version or 0):
+            raise ChainError(  # a late notification: going back would serve stale weights
+                f"anchor {meta.version} of run {meta.run_id!r} is older than version "
+                f"{self.version}, which the replica holds{f' ({path})' if path else ''}",
+                expected=self.version,
+                found=meta.version,
+            )
         decoded = decode(data, base=self.tensors, path=path)
         if meta.kind == "anchor":
             self._check_anchor(decoded, path)
@@ -150,6 +174,14 @@ class Replica:
                 expected=self.version,
                 found=meta.base_version,
             )
+
+    def _check_model(self, meta: FileMetadata, path: str | None) -> None:
+        """A delta lists every tensor of its model: the names and shapes the replica holds."""
+        ours = {n: tuple(t.shape) for n, t in self.tensors.items()}
+        theirs = {n: e.shape for n, e in meta.tensors.items()}
+        if ours != theirs:
+            diff = sorted(set(ours.items()) ^ set(theirs.items()))[:5]
+            raise FormatError(f"delta is for another model: tensors differ {diff}", path=path)
 
     def _check_anchor(self, decoded: DecodedFile, path: str | None) -> None:
         if self.tensors:

@@ -74,8 +74,8 @@ def encode_delta(
     validate_run_id(run_id)
     if encoding not in ENCODINGS:
         raise FormatError(f"unknown encoding {encoding!r}; known: {', '.join(ENCODINGS)}")
-    if not 0 <= base_version < version:
-        raise FormatError(f"base_version {base_version} must be before version {version}")
+    if base_version != version - 1:  # readers refuse anything else (bucket_layout.md)
+        raise FormatError(f"base_version {base_version} must be version - 1 ({version - 1})")
     entries = {
         n: TensorEntry(shape, diff.digests[n], _changed_count(diff, n))
         for n, shape in diff.shapes.items()

@@ -97,7 +97,7 @@ def parse_header(
         raise FormatError(f"truncated header: expected {n} bytes, got {len(raw)}", path=path)
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also too deep or a number too long to parse
         raise FormatError(f"header is not valid JSON: {exc}", path=path) from None
     if not isinstance(obj, dict):
         raise FormatError("header is not a JSON object", path=path)
@@ -125,7 +125,7 @@ def _tensor_info(name: str, info: object, path: str | None) -> TensorInfo:
             "tensor entry needs exactly dtype, shape, data_offsets", path=path, tensor=name
         )
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in _DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in _DTYPE_SIZES:
         raise FormatError(f"unknown dtype {dtype!r}", path=path, tensor=name)
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**50 for d in shape

@@ -122,8 +122,12 @@ class FileMetadata:
         )
         version = _int(meta, "model_version", path, minimum=1)
         base = _int(meta, "base_version", path, minimum=0) if kind == "delta" else None
-        if base is not None and base >= version:
-            raise FormatError(f"base_version {base} is not before version {version}", path=path)
+        if base is not None and base != version - 1:
+            raise FormatError(
+                f"base_version {base} is not model_version - 1 ({version - 1}): a delta goes "
+                "from the version right before it",
+                path=path,
+            )
         try:
             run_id = validate_run_id(meta.get("run_id", ""))
         except FormatError as exc:
@@ -140,7 +144,12 @@ def _choice(meta: dict[str, str], key: str, allowed: tuple[str, ...], path: str 
 
 def _int(meta: dict[str, str], key: str, path: str | None, *, minimum: int) -> int:
     value = meta.get(key)
-    if value is None or not value.isdigit() or not minimum <= int(value) < _MAX_VERSION:
+    if (
+        value is None
+        or not (value.isascii() and value.isdigit())  # str.isdigit accepts '²', int() does not
+        or len(value) > len(str(_MAX_VERSION))
+        or not minimum <= int(value) < _MAX_VERSION
+    ):
         raise FormatError(f"metadata {key}={value!r} is not an integer >= {minimum}", path=path)
     return int(value)
 
@@ -148,8 +157,8 @@ def _int(meta: dict[str, str], key: str, path: str | None, *, minimum: int) -> i
 def _tensor_entries(meta: dict[str, str], path: str | None) -> dict[str, TensorEntry]:
     try:
         raw = json.loads(meta.get("tensors", ""))
-    except json.JSONDecodeError:
-        raise FormatError("metadata 'tensors' is not JSON", path=path) from None
+    except (ValueError, RecursionError) as exc:  # also too deep or a number too long to parse
+        raise FormatError(f"metadata 'tensors' is not JSON: {exc}", path=path) from None
     if not isinstance(raw, dict):
         raise FormatError("metadata 'tensors' must be a JSON object", path=path)
     entries = {}

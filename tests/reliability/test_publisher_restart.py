@@ -1,0 +1,121 @@
+"""A trainer killed mid-upload or mid-commit and started again on the same bucket: the new
+publisher resumes after the last committed version, the dead attempt's files are never named by
+a manifest, and a new run id makes old replicas move over through an anchor, never a delta."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fault_store import Fault, FaultStore
+from wire_samples import bitwise_equal, build_chain, fingerprint, replica_at, stepped
+
+from deltasync.errors import ChainError, FormatError, PublishError
+from deltasync.manifest import MANIFEST_PATH, Manifest
+from deltasync.policy import AnchorPolicy
+from deltasync.publisher import Publisher, PublisherConfig
+from deltasync.replica import Replica, fetch_entry
+from deltasync.store import LocalStore
+
+CHAIN = build_chain(4)
+POLICY = AnchorPolicy(interval=None, max_delta_fraction=None)
+# What the restarted trainer publishes as version 3: not what the dead one was uploading.
+RESUMED = {3: stepped(CHAIN.states[2], 999), 4: stepped(stepped(CHAIN.states[2], 999), 1000)}
+
+
+def _config(run_id: str = CHAIN.run_id, **kw) -> PublisherConfig:
+    return PublisherConfig(run_id=run_id, policy=POLICY, backoff_s=0.001, **kw)
+
+
+def _killed() -> BaseException:
+    return ConnectionAbortedError("the trainer process is gone (injected)")
+
+
+def _manifest(store) -> Manifest:
+    return Manifest.from_json(store.get(MANIFEST_PATH))
+
+
+def _start_dying(store: FaultStore, fault: Fault) -> tuple[Publisher, object, threading.Event]:
+    """A publisher that committed versions 1 and 2, then hangs inside `fault` on version 3."""
+    gate = threading.Event()
+    fault.gate, fault.error = gate, _killed
+    dying = Publisher(store, _config(attempts=1))
+    for version in (1, 2):
+        dying.publish(CHAIN.states[version]).result(timeout=30)
+    store.inject(fault)
+    future = dying.publish(CHAIN.states[3])
+    event = threading.Event()
+    for _ in range(6000):  # until the worker is stuck inside the fault
+        if fault.blocked:
+            break
+        event.wait(0.005)
+    assert fault.hits == fault.blocked == 1
+    return dying, future, gate
+
+
+def _bury(dying: Publisher, future, gate: threading.Event) -> None:
+    """Let the abandoned worker fail (its process is gone) and stop its thread (test hygiene)."""
+    gate.set()
+    with pytest.raises(PublishError):
+        future.result(timeout=30)
+    dying.close(timeout=30)
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        Fault("publish", lambda p: p == MANIFEST_PATH),
+        Fault("put", lambda p: "/deltas/00000003-" in p, truncate=0.5),
+    ],
+    ids=["killed-during-manifest-commit", "killed-during-delta-upload"],
+)
+def test_restart_resumes_after_the_last_commit(tmp_path, fault: Fault) -> None:
+    store = FaultStore(tmp_path)
+    dying, future, gate = _start_dying(store, fault)
+    leftovers = {p for p in store.list("runs") if "/00000003-" in p}
+    assert leftovers  # the dead attempt's delta (whole, or half of it) is in the bucket
+
+    with Publisher(LocalStore(tmp_path), _config()) as restarted:
+        assert restarted.publish(RESUMED[3]).result(timeout=30).version == 3
+        assert restarted.publish(RESUMED[4]).result(timeout=30).version == 4
+    _bury(dying, future, gate)
+
+    manifest = _manifest(store)
+    assert manifest.latest_version == 4 and [d.version for d in manifest.deltas] == [2, 3, 4]
+    assert not leftovers & manifest.referenced_paths()  # never named by any commit
+    for entry in (*manifest.anchors, *manifest.deltas):
+        fetch_entry(store, entry)  # every committed file is whole and matches its digest
+    live = replica_at(CHAIN, 2)  # the last version both trainers agree on
+    assert live.sync(store) == [3, 4]  # the committed 3, not the dead attempt's
+    assert bitwise_equal(live.tensors, RESUMED[4])
+    cold = Replica()
+    assert cold.sync(store) == [1, 2, 3, 4]
+    assert bitwise_equal(cold.tensors, RESUMED[4])
+    if fault.truncate is not None:  # half a file, should anything be handed it directly
+        replica = replica_at(CHAIN, 2)
+        before = fingerprint(replica)
+        with pytest.raises(FormatError):
+            replica.update(store.get(sorted(leftovers)[0]))
+        assert fingerprint(replica) == before
+
+
+def test_restart_with_a_new_run_id_moves_replicas_through_an_anchor(tmp_path) -> None:
+    store = FaultStore(tmp_path)
+    dying, future, gate = _start_dying(store, Fault("publish", lambda p: p == MANIFEST_PATH))
+    old = replica_at(CHAIN, 2)  # a live replica of the old run
+    new_states = {1: stepped(CHAIN.states[2], 7), 2: stepped(stepped(CHAIN.states[2], 7), 8)}
+    with Publisher(LocalStore(tmp_path), _config("run-2")) as restarted:
+        records = [restarted.publish(new_states[v]).result(timeout=30) for v in (1, 2)]
+    _bury(dying, future, gate)
+    assert [r.version for r in records] == [1, 2]
+
+    manifest = _manifest(store)
+    assert manifest.run_id == "run-2"
+    assert all(p.startswith("runs/run-2/") for p in manifest.referenced_paths())
+    delta = fetch_entry(store, manifest.deltas[-1])
+    before = fingerprint(old)
+    with pytest.raises(ChainError, match="run-2"):  # base version 1 of another run
+        old.update(delta, path=manifest.deltas[-1].path)
+    assert fingerprint(old) == before
+    assert old.sync(store) == [1, 2]  # the new run's anchor, then its delta
+    assert old.run_id == "run-2" and bitwise_equal(old.tensors, new_states[2])
