@@ -23,17 +23,12 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
 import torch
 
 from ..digest import tensor_digest
@@ -43,10 +38,10 @@ from ..store import open_store
 from ..vllm_ext.client import ReplicaClient
 from .memory import PeakRss
 from .realistic import SHAPES, bf16_states, build_config
+from .server import served
 from .synthetic import synthetic_states
 
 RUN_ID = "bench-replica"
-START_TIMEOUT_S = 900.0
 
 
 def _states(args: argparse.Namespace):
@@ -64,39 +59,6 @@ def _model_dir(directory: Path, model: str, anchor: Path) -> None:
     config.save_pretrained(directory)
     byte_level_tokenizer().save_pretrained(directory)
     shutil.copyfile(anchor, directory / "model.safetensors")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def _server(model_dir: Path, bucket: Path, log: Path):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "deltasync.vllm_ext.serve", "--model", str(model_dir),
-           "--bucket", str(bucket), "--port", str(port), "--insecure-no-auth", "--",
-           "--max-model-len", "512", "--max-num-seqs", "4", "--disable-log-stats",
-           "--load-format", "safetensors"]  # reload_weights refuses a model loaded as dummy
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "ready on" not in log.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready:\n{log.read_text(errors='replace')[-3000:]}")
-            time.sleep(1.0)
-        yield ReplicaClient(f"http://127.0.0.1:{port}", None, timeout_s=1800), psutil.Process(
-            proc.pid)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def _full_reload(client: ReplicaClient, model_dir: Path) -> float:
@@ -125,7 +87,11 @@ def run(args: argparse.Namespace) -> dict:
         (work / "model").mkdir()
         _model_dir(work / "model", args.model, bucket / anchor.anchor_path)
         rows, reloads = [], []
-        with _server(work / "model", bucket, work / "server.log") as (client, proc):
+        reload_args = ("--load-format", "safetensors")  # reload_weights refuses dummy weights
+        with served(work / "model", bucket, work / "server.log", vllm_args=reload_args) as (
+            client,
+            proc,
+        ):
             bootstrap = client.status()["last_update"]
             for _ in range(args.repeat):
                 with PeakRss(proc) as rss:
@@ -149,7 +115,7 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"step {step}: {'prepack' if prepack else 'reload '} stage "
                       f"{timings['stage_s']:.2f}s pause {timings['pause_s']:.2f}s "
                       f"(commit {update['commit_s']:.2f}s)", file=sys.stderr, flush=True)
-            served = client.digests()["digests"]
+            serving = client.digests()["digests"]
         expected = {name: tensor_digest(t) for name, t in state.items()}
     finally:
         publisher.close()
@@ -159,7 +125,7 @@ def run(args: argparse.Namespace) -> dict:
             "source": "synthetic" if args.synthetic is not None else "realistic",
             "density_arg": args.synthetic, "lr": args.lr, "repeat": args.repeat,
             "bootstrap": bootstrap, "full_reload": reloads, "rows": rows,
-            "digests_match": served == expected, "cpus": os.cpu_count(),
+            "digests_match": serving == expected, "cpus": os.cpu_count(),
             "loadavg": os.getloadavg()}
 
 

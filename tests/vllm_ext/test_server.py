@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import secrets
 import signal
 import socket
@@ -266,6 +267,34 @@ def test_requests_without_the_token_get_401_and_change_nothing(served):
     assert client.request("GET", "/is_paused") == {"is_paused": False}
     assert client.weight_version() == "15"
     assert client.digests() == before
+
+
+def test_every_route_of_the_app_needs_the_token(served):
+    """Enumerated from vLLM's own OpenAPI schema (read with the token): without it, every method
+    of every route answers 401, and so do spellings that try to slip past an exact-path check."""
+    schema = served.client.request("GET", "/openapi.json")
+    routes = [
+        (method.upper(), re.sub(r"\{[^}]+\}", "x", path))
+        for path, methods in schema["paths"].items()
+        for method in methods
+    ]
+    assert len(routes) > 40 and ("POST", "/collective_rpc") in routes
+    tricks = ["/health/../pause", "//pause", "/PAUSE", "/pause/", "/health%2F..%2Fpause"]
+    routes += [("POST", path) for path in tricks] + [("POST", "/health"), ("DELETE", "/health")]
+    open_routes = []
+    for method, path in routes:
+        try:
+            served.anonymous.request(method, path)
+        except ReplicaError as exc:
+            if exc.status != 401:
+                open_routes.append((method, path, exc.status))
+        else:
+            open_routes.append((method, path, 200))
+    assert open_routes == [("GET", "/health", 200)]
+
+
+def test_the_token_never_reaches_the_log(served):
+    assert TOKEN not in served.log.read_text(errors="replace")
 
 
 def test_twenty_syncs_bitwise_and_greedy(served):

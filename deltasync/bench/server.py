@@ -1,0 +1,67 @@
+"""A `deltasync.vllm_ext.serve` process on a free loopback port, always stopped afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+
+from ..vllm_ext.client import ReplicaClient
+
+__all__ = ["free_port", "served"]
+
+START_TIMEOUT_S = 900.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def served(
+    model_dir: Path,
+    bucket: Path,
+    log: Path,
+    *,
+    token: str | None = None,
+    vllm_args: tuple[str, ...] = (),
+    port: int | None = None,
+) -> Iterator[tuple[ReplicaClient, psutil.Process]]:
+    """Start a replica that bootstraps from `bucket`; yields its client and process once ready."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "deltasync.vllm_ext.serve", "--model", str(model_dir)]
+    cmd += ["--bucket", str(bucket), "--port", str(port)]
+    cmd += [] if token else ["--insecure-no-auth"]
+    cmd += ["--", "--max-model-len", "512", "--max-num-seqs", "4", "--disable-log-stats"]
+    cmd += list(vllm_args)
+    env = dict(os.environ, DELTASYNC_API_KEY=token or "")
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "ready on" not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready:\n{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(1.0)
+        client = ReplicaClient(f"http://127.0.0.1:{port}", token, timeout_s=1800)
+        yield client, psutil.Process(proc.pid)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
