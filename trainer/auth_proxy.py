@@ -56,16 +56,25 @@ class AuthProxy:
         async def forward(request: web.Request) -> web.Response:
             headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
             headers["Authorization"] = f"Bearer {self._token}"
-            async with session.request(
-                request.method,
-                self.upstream + request.rel_url.path_qs,
-                headers=headers,
-                data=await request.read(),
-                timeout=self._timeout,
-            ) as upstream:
-                body = await upstream.read()
-                keep = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
-                return web.Response(status=upstream.status, body=body, headers=keep)
+            try:
+                async with session.request(
+                    request.method,
+                    self.upstream + request.rel_url.path_qs,
+                    headers=headers,
+                    data=await request.read(),
+                    timeout=self._timeout,
+                ) as upstream:
+                    body = await upstream.read()
+                    keep = {
+                        k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
+                    }
+                    return web.Response(status=upstream.status, body=body, headers=keep)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # A replica that is down or restarting: answer 502 (TRL's rollout worker retries
+                # it) instead of letting aiohttp log a traceback for every request.
+                return web.Response(
+                    status=502, text=f"rollout server {self.upstream} unreachable: {exc!r}"
+                )
 
         async def start() -> web.AppRunner:
             nonlocal session

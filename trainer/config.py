@@ -52,7 +52,12 @@ def build_config(
         lr_scheduler_type="constant",
         num_generations=args.num_generations,
         per_device_train_batch_size=args.batch_size,
+        # A fixed number of samples per optimizer step. TRL's default token budget ignores the batch
+        # size and packs a step with as many samples as fit in max_model_len unique tokens: with a
+        # shared prompt prefix that was over 1000 samples (of short completions) per step.
+        token_budget=0,
         max_completion_length=length,
+        max_tool_calling_iterations=args.max_tool_calls,
         vllm_server_base_url=vllm_url,
         logging_steps=1,
         report_to="none",

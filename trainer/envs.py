@@ -6,10 +6,12 @@ type hints and Google docstrings) and reads `get_reward()`. Objects must be pick
 are built with `functools.partial(Class, base_url=...)`.
 
 To swap in another OpenEnv environment, subclass `OpenEnvSession`: override `_action` (tool
-argument -> action dict) and `_text` (observation dict -> text for the model), and add one public
-method per tool, with the name, type hints and docstring the model should see, that returns
-`self._step(...)`. Every public method except `reset` and `get_reward` becomes a tool, so helpers
-stay private. See the README section "Use another OpenEnv environment".
+argument -> action dict) and `_text` (observation dict -> text for the model), set `prompt` (the
+instruction each rollout starts with), and add one public method per tool, with the name, type
+hints and docstring the model should see, that returns `self._step(...)`. Every public method
+except `reset` and `get_reward` becomes a tool, so helpers stay private. Adding the class to
+`ENVIRONMENTS` makes it `python -m trainer.train --env <name>`. See the README section "Use
+another OpenEnv environment".
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["OpenEnvSession", "OpenEnvTextTool", "WordleTool", "environment_factory"]
+__all__ = [
+    "ENVIRONMENTS",
+    "OpenEnvSession",
+    "OpenEnvTextTool",
+    "WordleTool",
+    "environment_factory",
+]
 
 
 class OpenEnvSession:
@@ -27,7 +35,13 @@ class OpenEnvSession:
     The default mapping fits TextArena-style servers: the action is `{"message": text}` and the
     observation's `messages[0].content` is a transcript that only grows, so each step returns the
     part that is new.
+
+    Attributes:
+        prompt: the user message of every rollout (the text `reset` returns is appended to it);
+            it should name the tools the subclass defines.
     """
+
+    prompt = "Play the game with your tools until it is over."
 
     def __init__(self, base_url: str):
         self.base_url = base_url
@@ -87,6 +101,8 @@ class OpenEnvSession:
 class OpenEnvTextTool(OpenEnvSession):
     """Any TextArena-style OpenEnv server through one tool, `act`."""
 
+    prompt = "Play the game: call the act tool with your message until the game is over."
+
     def act(self, message: str) -> str:
         """Send one message to the environment.
 
@@ -101,6 +117,8 @@ class OpenEnvTextTool(OpenEnvSession):
 
 class WordleTool(OpenEnvSession):
     """Wordle as TRL's Wordle example plays it: a `guess` tool, reward 0 after an invalid move."""
+
+    prompt = "Play Wordle. Call the guess tool with a five-letter word until you solve it."
 
     def guess(self, guess: str) -> str:
         """Guess the secret five-letter word.
@@ -117,9 +135,12 @@ class WordleTool(OpenEnvSession):
         return text
 
 
+# `--env` names of the trainer script; add a subclass here to train on another environment.
+ENVIRONMENTS: dict[str, type[OpenEnvSession]] = {"wordle": WordleTool, "openenv": OpenEnvTextTool}
+
+
 def environment_factory(kind: str, base_url: str) -> Callable[[], OpenEnvSession]:
-    """`wordle` or `openenv` (any TextArena-style OpenEnv server) at `base_url`."""
-    classes = {"wordle": WordleTool, "openenv": OpenEnvTextTool}
-    if kind not in classes:
-        raise ValueError(f"unknown environment {kind!r}; known: {', '.join(classes)}")
-    return functools.partial(classes[kind], base_url=base_url)
+    """A picklable factory of `ENVIRONMENTS[kind]` sessions with the server at `base_url`."""
+    if kind not in ENVIRONMENTS:
+        raise ValueError(f"unknown environment {kind!r}; known: {', '.join(ENVIRONMENTS)}")
+    return functools.partial(ENVIRONMENTS[kind], base_url=base_url)

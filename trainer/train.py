@@ -30,7 +30,7 @@ from deltasync import AnchorPolicy, Publisher, PublisherConfig, open_store
 from deltasync.vllm_ext.client import ReplicaClient
 
 from .auth_proxy import AuthProxy
-from .envs import environment_factory
+from .envs import ENVIRONMENTS, environment_factory
 from .tasks import DEFAULT_CHARS, sanity_dataset, sanity_reward
 from .weight_sync import BucketWeightTransfer
 
@@ -73,15 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--env",
-        choices=("sanity", "wordle", "openenv"),
+        choices=("sanity", *ENVIRONMENTS),
         default="sanity",
-        help="sanity: reward = share of one token, no server; wordle / openenv: an "
+        help="sanity: reward = share of some tokens, no server; wordle / openenv: an "
         "OpenEnv server at --env-url (default %(default)s)",
     )
     p.add_argument(
         "--env-url",
         default="http://127.0.0.1:8002",
         help="OpenEnv server for --env wordle/openenv (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-tool-calls",
+        type=int,
+        default=8,
+        help="tool-calling turns per rollout before it is cut off (default %(default)s: a Wordle "
+        "game with two invalid moves). TRL sets no bound: a model that keeps calling tools grows "
+        "its context until the rollout server rejects it and the rollout worker fails",
     )
     p.add_argument(
         "--sanity-chars",
@@ -192,7 +200,7 @@ def _task(args: argparse.Namespace, tokenizer) -> dict:
         return {"reward_funcs": [sanity_reward(token_ids)], "train_dataset": sanity_dataset()}
     from datasets import Dataset
 
-    prompt = "Play Wordle. Call the guess tool with a five-letter word until you solve it."
+    prompt = ENVIRONMENTS[args.env].prompt  # the text `reset` returns is appended to it
     rows = [{"prompt": [{"role": "user", "content": prompt}], "seed": i} for i in range(4096)]
     return {
         "environment_factory": environment_factory(args.env, args.env_url),

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,56 +23,146 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def replica(model_dir: Path, bucket: Path, log: Path, token: str) -> Iterator[str]:
-    """A `deltasync.vllm_ext.serve` process on a free port; yields its URL once ready."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "deltasync.vllm_ext.serve",
-        "--model",
-        str(model_dir),
-        "--bucket",
-        str(bucket),
-        "--port",
-        str(port),
-        "--",
-        "--max-model-len",
-        "256",
-        "--max-num-seqs",
-        "16",
-        "--disable-log-stats",
-    ]
-    env = dict(os.environ, DELTASYNC_API_KEY=token)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
+class ReplicaProcess:
+    """A `deltasync.vllm_ext.serve` process, which runs vLLM in a session (process group) of its
+    own; `crash` kills both groups at once, as losing the machine would."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        bucket: Path,
+        log: Path,
+        token: str,
+        *,
+        port: int | None = None,
+        max_model_len: int = 256,
+    ):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [
+            sys.executable,
+            "-m",
+            "deltasync.vllm_ext.serve",
+            "--model",
+            str(model_dir),
+            "--bucket",
+            str(bucket),
+            "--port",
+            str(self.port),
+            "--",
+            "--max-model-len",
+            str(max_model_len),
+            "--max-num-seqs",
+            "16",
+            "--disable-log-stats",
+        ]
+        env = dict(os.environ, DELTASYNC_API_KEY=token)
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while "ready on" not in log.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
+        while "ready on" not in self.log.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(
-                    f"replica not ready:\n{log.read_text(errors='replace')[-3000:]}"
+                    f"replica not ready:\n{self.log.read_text(errors='replace')[-3000:]}"
                 )
             time.sleep(1.0)
-        yield f"http://127.0.0.1:{port}"
-    finally:
+
+    def _child_groups(self) -> list[int]:
+        """Process groups of the serve process's children (vLLM's own session)."""
+        groups = []
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+                for pid in (task / "children").read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        groups.append(os.getpgid(int(pid)))
+        return [g for g in groups if g != self.proc.pid]
+
+    def crash(self) -> None:
+        """SIGKILL the serve process's group and vLLM's group: no shutdown code runs."""
+        groups = self._child_groups()
+        for group in (self.proc.pid, *groups):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        self.proc.wait(10)
+        _wait_groups_gone(groups)
+
+    def stop(self) -> None:
+        """SIGTERM (serve stops vLLM), then SIGKILL whatever is left."""
+        groups = self._child_groups()
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGTERM)
         try:
-            proc.wait(60)
+            self.proc.wait(60)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        _wait_groups_gone(groups)
+
+
+def _wait_groups_gone(groups: list[int], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for group in groups:
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def replica(
+    model_dir: Path,
+    bucket: Path,
+    log: Path,
+    token: str,
+    *,
+    port: int | None = None,
+    max_model_len: int = 256,
+) -> Iterator[str]:
+    """A replica on `port` (default: a free one); yields its URL once ready, stops it after."""
+    process = ReplicaProcess(model_dir, bucket, log, token, port=port, max_model_len=max_model_len)
+    try:
+        process.wait_ready()
+        yield process.url
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="session")
+def start_replica():
+    """`start_replica(model_dir, bucket, log, token, *, port=None, max_model_len=256)`: a context
+    manager yielding the URL."""
+    return replica
 
 
 @pytest.fixture
-def start_replica():
-    """`start_replica(model_dir, bucket, log, token)`: a context manager yielding the URL."""
-    return replica
+def spawn_replica() -> Iterator[Callable[..., ReplicaProcess]]:
+    """`spawn_replica(model_dir, bucket, log, token, *, port=None, max_model_len=256,
+    wait=True)` starts a replica, waits until it is ready (unless `wait=False`: call
+    `wait_ready()`) and returns its `ReplicaProcess` (to `crash` and restart); every one is
+    stopped at the end, whatever happened."""
+    started: list[ReplicaProcess] = []
+
+    def spawn(*args, wait: bool = True, **kwargs) -> ReplicaProcess:
+        process = ReplicaProcess(*args, **kwargs)
+        started.append(process)
+        if wait:
+            process.wait_ready()
+        return process
+
+    yield spawn
+    for process in started:
+        process.stop()
 
 
 @pytest.fixture(scope="module")
