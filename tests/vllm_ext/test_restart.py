@@ -1,6 +1,7 @@
 """A replica killed in the middle of an update (SIGKILL to its whole process group just as
 `/update_weights` is sent) comes back on the same port, catches up from the bucket and serves
-the trainer's latest bf16 weights bitwise; the bucket is never written by a replica."""
+the trainer's latest bf16 weights bitwise; the bucket is never written by a replica. A killed
+launcher takes its vLLM server down with it."""
 
 from __future__ import annotations
 
@@ -78,12 +79,16 @@ def test_killed_mid_update_restarts_and_catches_up_bitwise(tmp_path):
         expected = Bf16Snapshot.capture(model).digests()
         with served(tmp_path / "model", bucket, tmp_path / "b.log", token=TOKEN, port=port) as (
             client,
-            _,
+            launcher,
         ):
             report = client.digests()
             assert report["version"] == latest.version == 5
             assert report["digests"] == expected
             assert client.weight_version() == "5"
             assert len(client.complete_tokens(str(tmp_path / "model"), [1, 2, 3], 4)[0]) == 4
+            children = launcher.children(recursive=True)
+            launcher.send_signal(signal.SIGKILL)  # only the launcher: vLLM must not outlive it
+            _, alive = psutil.wait_procs(children, timeout=60)
+            assert not alive, alive
     finally:
         publisher.close()

@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from deltasync.vllm_ext import AUTH_MIDDLEWARE, WORKER_EXTENSION
+from deltasync.vllm_ext.client import ReplicaError
 from deltasync.vllm_ext.compat import BLOCKED_MODULES, server_env
-from deltasync.vllm_ext.serve import main, server_command
+from deltasync.vllm_ext.serve import bootstrap, main, server_command
 
 
 def test_command_line():
@@ -70,3 +73,41 @@ def test_refuses_to_start_unprotected(monkeypatch, capsys, tmp_path):
     assert "DELTASYNC_API_KEY" in capsys.readouterr().err
     assert main(["--model", "/m", "--insecure-no-auth", "--host", "0.0.0.0"]) == 2
     assert "loopback" in capsys.readouterr().err
+
+
+class _RacedClient:
+    """A replica the trainer synced to `version` while the start-up catch-up was under way."""
+
+    def __init__(self, run_id: str, version: int):
+        self.run_id, self.version, self.calls = run_id, version, []
+
+    def init(self, bucket, **options):
+        self.calls.append(("init", bucket))
+
+    def sync_to(self, version, path=None, *, pause="keep"):
+        raise ReplicaError("POST /update_weights failed", url="http://x", status=500)
+
+    def status(self):
+        return {"run_id": self.run_id, "version": self.version}
+
+
+def _bucket_at(tmp_path, versions: int) -> str:
+    from model_steps import tiny_qwen3
+
+    from deltasync.publisher import Publisher, PublisherConfig
+    from deltasync.store import open_store
+
+    model = tiny_qwen3()
+    with Publisher(open_store(str(tmp_path)), PublisherConfig("race")) as publisher:
+        for _ in range(versions):
+            publisher.publish(model).result(timeout=60)
+    return str(tmp_path)
+
+
+def test_bootstrap_accepts_a_replica_already_past_the_latest_version(tmp_path):
+    bucket = _bucket_at(tmp_path, 2)
+    assert bootstrap(_RacedClient("race", 3), bucket) == 3
+    with pytest.raises(ReplicaError):  # behind, or another run: the failure stands
+        bootstrap(_RacedClient("race", 1), bucket)
+    with pytest.raises(ReplicaError):
+        bootstrap(_RacedClient("other", 5), bucket)
