@@ -1,0 +1,48 @@
+"""The trainer process killed mid-run (SIGKILL of its process group, no shutdown code) and started
+again with the same `--run-id`: it resumes the run from the bucket's manifest, so versions
+continue right after the last committed one (none skipped, none published twice), and the
+replica that kept serving follows the new versions and is verified bitwise after each."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from trainer_cli import TOKEN, metrics, run_trainer, train_command, trainer_process, wait_until
+
+from deltasync.replica import Replica, read_manifest
+from deltasync.store import open_store
+
+pytestmark = pytest.mark.slow
+
+
+def test_trainer_killed_and_restarted_resumes_the_run(tmp_path, tiny_model_dir, start_replica):
+    bucket, run = tmp_path / "bucket", "resume"
+    with start_replica(tiny_model_dir, bucket, tmp_path / "vllm-0.log", TOKEN) as url:
+        first = train_command(tmp_path, tiny_model_dir, [url], steps=20, run_id=run)
+        with trainer_process(first, tmp_path / "first.log") as trainer:
+            wait_until(
+                "3 versions verified",
+                lambda: len([r for r in metrics(bucket, run) if r.get("replicas")]) >= 3,
+                trainer,
+                tmp_path / "first.log",
+                timeout_s=600,
+            )
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait(30)
+        committed = read_manifest(open_store(str(bucket))).latest_version
+        assert 3 <= committed < 21  # killed mid-run
+        second = train_command(tmp_path, tiny_model_dir, [url], steps=2, run_id=run)
+        log = run_trainer(second, tmp_path / "second.log")
+    assert f"resuming run {run} at version {committed}" in log
+    resumed = [r for r in metrics(bucket, run) if r["version"] > committed]
+    # The restarted trainer's initial sync and its 2 steps, each once, right after `committed`.
+    assert [r["version"] for r in resumed] == [committed + 1, committed + 2, committed + 3]
+    for record in resumed:
+        assert all(s["ok"] for s in record["replicas"].values()), record
+    store = open_store(str(bucket))
+    manifest = read_manifest(store)
+    assert (manifest.run_id, manifest.latest_version) == (run, committed + 3)
+    cold = Replica()
+    assert cold.sync(store)[-1] == committed + 3  # a cold start replays across the restart
