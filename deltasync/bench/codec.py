@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> dict:
             del anchor
             continue
         gc.collect()
-        with PeakRss(psutil.Process()) as rss:  # what the trainer holds besides its snapshot
+        # what the trainer holds besides its snapshot (sampling itself only: no /proc walk)
+        with PeakRss(psutil.Process(), 0.05, tree=False) as rss:
             diff, diff_s, diff_cpu = _timed(partial(snap.diff, state), args.repeat)
             enc = partial(encode_delta, diff, run_id=RUN_ID, version=step + 1, base_version=step)
             packed, enc_s, enc_cpu = _timed(partial(enc, encoding="packed"), args.repeat)

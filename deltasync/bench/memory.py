@@ -11,17 +11,21 @@ __all__ = ["PeakRss"]
 
 
 class PeakRss:
-    """`with PeakRss(psutil.Process(pid)) as rss: ...`, then `rss.extra` = peak - start bytes."""
+    """`with PeakRss(psutil.Process(pid)) as rss: ...`, then `rss.extra` = peak - start bytes.
 
-    def __init__(self, root: psutil.Process, interval_s: float = 0.02):
-        self.root, self.interval_s = root, interval_s
+    With `tree=False` only the process itself is read: walking /proc for children costs CPU that
+    a benchmark of the same process would otherwise get.
+    """
+
+    def __init__(self, root: psutil.Process, interval_s: float = 0.02, *, tree: bool = True):
+        self.root, self.interval_s, self.tree = root, interval_s, tree
         self.base = self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _rss(self) -> int:
         total = 0
-        for proc in [self.root, *self.root.children(recursive=True)]:
+        for proc in [self.root, *(self.root.children(recursive=True) if self.tree else ())]:
             with suppress(psutil.Error):  # a process ended between listing and reading
                 total += proc.memory_info().rss
         return total

@@ -43,7 +43,7 @@ def measure(model: str, *, density: float, steps: int, repeat: int) -> dict:
             replica.update(encode_anchor(state, run_id=RUN_ID, version=1))
             continue
         gc.collect()
-        with PeakRss(psutil.Process()) as rss:
+        with PeakRss(psutil.Process(), 0.05, tree=False) as rss:
             diff, diff_s, _ = _timed(partial(snap.diff, state), repeat)
             enc = partial(encode_delta, diff, run_id=RUN_ID, version=step + 1, base_version=step)
             packed, encode_s, _ = _timed(partial(enc, encoding="packed"), repeat)
