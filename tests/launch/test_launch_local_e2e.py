@@ -64,6 +64,9 @@ class Launch:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            # As from a terminal: a shell running this suite in the background (`cmd &`) ignores
+            # SIGINT, the child would inherit that, and Ctrl-C could not be simulated.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.lines: list[str] = []
         self.seen: dict[int, float] = {}
