@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import statistics
@@ -45,6 +44,7 @@ from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot, Diff
 
 from .memory import PeakRss
+from .output import report
 from .realistic import SHAPES, bf16_states
 
 RUN_ID = "bench"
@@ -337,12 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the second replica that times coo decode+apply (saves memory)")
     args = ap.parse_args(argv)
     res = run(args)
-    table = markdown(res)
-    print(table)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({**res, "markdown": table}, f, indent=1)
+    report(markdown(res), res, args.json)
     return 0
 
 

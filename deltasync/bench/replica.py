@@ -20,7 +20,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -37,6 +36,7 @@ from ..publisher import Publisher, PublisherConfig
 from ..store import open_store
 from ..vllm_ext.client import ReplicaClient
 from .memory import PeakRss
+from .output import report
 from .realistic import SHAPES, bf16_states, build_config
 from .server import served
 from .synthetic import synthetic_states
@@ -178,12 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
     res = run(args)
-    table = markdown(res)
-    print(table)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({**res, "markdown": table}, f, indent=1)
+    report(markdown(res), res, args.json)
     return 0
 
 

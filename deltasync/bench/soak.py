@@ -18,8 +18,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import secrets
 import shutil
 import statistics
@@ -37,6 +35,7 @@ from ..snapshot import Bf16Snapshot
 from ..store import open_store
 from ..vllm_ext.tiny_model import build_tiny_qwen3
 from .memory import PeakRss
+from .output import report
 from .server import served
 
 RUN_ID = "soak"
@@ -190,12 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     res = run(args)
-    text = summary(res)
-    print(text)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({**res, "summary": text}, f, indent=1)
+    report(summary(res), res, args.json, key="summary")
     return 0 if res["mismatches"] == 0 else 1
 
 
