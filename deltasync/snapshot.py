@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .bitscan import changed_elements
 from .digest import tensor_digest
 from .errors import FormatError
 
@@ -24,7 +25,7 @@ __all__ = [
 ]
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module
-WORKERS = max(2, min(8, os.cpu_count() or 2))  # numpy/xxhash/zstd release the GIL
+WORKERS = max(2, min(8, os.cpu_count() or 2))  # the compiled scan, xxhash and zstd release the GIL
 
 
 @dataclass(frozen=True)
@@ -128,23 +129,22 @@ def _changed(
 ) -> TensorChange | None:
     """Exact bitwise comparison of `new` with `base` overlaid by `pending` (indices, bits)."""
     base_bits, new_bits = _bits(base), _bits(new)
-    indices = np.flatnonzero(base_bits != new_bits)
-    if pending is None:
-        reference = base_bits[indices]
-    else:
+    indices, values, reference = changed_elements(base_bits, new_bits)
+    if pending is not None:
         # The reference state is base with the pending (not yet committed) versions applied;
         # only the union of both index sets can differ from it.
         pending_idx, pending_bits = pending
         indices = np.union1d(indices, pending_idx)
         reference = base_bits[indices]
         reference[np.searchsorted(indices, pending_idx)] = pending_bits
-        keep = reference != new_bits[indices]
-        indices, reference = indices[keep], reference[keep]
+        values = new_bits[indices]
+        keep = reference != values
+        indices, values, reference = indices[keep], values[keep], reference[keep]
     if indices.size == 0:
         return None
     return TensorChange(
         torch.from_numpy(indices),
-        torch.from_numpy(new_bits[indices]).view(torch.bfloat16),
+        torch.from_numpy(values).view(torch.bfloat16),
         torch.from_numpy(reference).view(torch.bfloat16),
     )
 
@@ -200,7 +200,7 @@ class Bf16Snapshot:
                 the result is then relative to the state they lead to, so versions chain while
                 the snapshot itself stays at the last committed version.
 
-        Runs over tensors in a small thread pool (numpy and xxhash release the GIL).
+        Runs over tensors in a small thread pool (the compiled scan and xxhash release the GIL).
         """
         overlay = _fold(pending)
         items = named_tensors(source)

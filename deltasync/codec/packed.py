@@ -17,7 +17,7 @@ import zstandard
 
 from ..errors import FormatError
 from ..snapshot import WORKERS, TensorChange, gather
-from .varint import leb128_decode, leb128_encode, zigzag_decode16, zigzag_encode16
+from .varint import gap_varints, leb128_decode, step_varints, zigzag_decode16
 
 __all__ = ["decode_tensor", "encode_changes"]
 
@@ -28,15 +28,14 @@ _VAL_BYTES_MAX = 3
 
 def _encode_one(item: tuple[str, TensorChange], level: int) -> list[tuple[str, np.ndarray]]:
     name, change = item
-    indices = change.indices.numpy()
-    gaps = np.diff(indices, prepend=-1) - 1
-    new_bits = change.values.view(torch.int16).numpy()
-    old_bits = change.previous.view(torch.int16).numpy()
-    codes = zigzag_encode16(new_bits - old_bits)  # int16 arithmetic wraps modulo 2**16
+    gaps = gap_varints(change.indices.numpy())
+    steps = step_varints(
+        change.values.view(torch.int16).numpy(), change.previous.view(torch.int16).numpy()
+    )
     compressor = zstandard.ZstdCompressor(level=level)
     return [
-        (f"{name}.gaps", np.frombuffer(compressor.compress(leb128_encode(gaps)), np.uint8)),
-        (f"{name}.vals", np.frombuffer(compressor.compress(leb128_encode(codes)), np.uint8)),
+        (f"{name}.gaps", np.frombuffer(compressor.compress(gaps), np.uint8)),
+        (f"{name}.vals", np.frombuffer(compressor.compress(steps), np.uint8)),
     ]
 
 

@@ -1,42 +1,71 @@
-"""Vectorised LEB128 and zigzag: the integer layer under the `packed` encoding.
+"""LEB128 and zigzag: the integer layer under the `packed` encoding.
 
-Sparse-delta integers are almost all below 128 (one byte), so both directions do one pass over
-everything and further passes only over the few multi-byte integers.
+Encoding is the trainer's hot path, so it is a compiled (numba) loop that also does the
+arithmetic before it: index gaps, and zigzag of the bit-pattern step, in the same pass. Decoding
+reads untrusted bytes and stays vectorised numpy: sparse-delta integers are almost all below 128
+(one byte), so it does one pass over everything and further passes only over the few multi-byte
+integers.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from ..errors import FormatError
 
-__all__ = ["leb128_decode", "leb128_encode", "zigzag_decode16", "zigzag_encode16"]
+__all__ = ["gap_varints", "leb128_decode", "step_varints", "zigzag_decode16"]
 
 _MAX_BYTES = 10  # enough for any uint64
-_LOW7 = np.uint64(0x7F)
+_STEP_BYTES = 3  # a zigzag int16 is below 2**16 < 2**21
 
 
-def leb128_encode(values: np.ndarray) -> np.ndarray:
-    """Unsigned LEB128 bytes of non-negative integers, 7 bits per byte, low groups first."""
-    v = values.astype(np.uint64, copy=False)
-    big = np.flatnonzero(v >= 0x80)
-    if big.size == 0:
-        return v.astype(np.uint8)
-    nbytes = np.ones(v.size, np.int64)
-    multi, k = big, 1
-    while multi.size:
-        nbytes[multi] += 1
-        k += 1
-        multi = multi[v[multi] >= np.uint64(1 << (7 * k))] if k < _MAX_BYTES else multi[:0]
-    starts = np.cumsum(nbytes) - nbytes
-    out = np.zeros(int(starts[-1] + nbytes[-1]), np.uint8)
-    out[starts] = (v & _LOW7).astype(np.uint8)
-    out[starts[big]] |= 0x80
-    for k in range(1, int(nbytes[big].max())):
-        sel = big[nbytes[big] > k]
-        chunk = ((v[sel] >> np.uint64(7 * k)) & _LOW7).astype(np.uint8)
-        out[starts[sel] + k] = chunk | np.where(nbytes[sel] > k + 1, 0x80, 0).astype(np.uint8)
-    return out
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _gaps_into(indices, out):  # pragma: no cover - compiled
+    p = 0
+    previous = -1
+    for index in indices:
+        v = np.uint64(index - previous - 1)
+        previous = index
+        while v >= 0x80:
+            out[p] = np.uint8((v & np.uint64(0x7F)) | np.uint64(0x80))
+            v >>= np.uint64(7)
+            p += 1
+        out[p] = np.uint8(v)
+        p += 1
+    return p
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _steps_into(new_bits, old_bits, out):  # pragma: no cover - compiled
+    p = 0
+    for i in range(new_bits.size):
+        step = np.int16(np.int64(new_bits[i]) - np.int64(old_bits[i]))  # wraps modulo 2**16
+        v = (np.int64(step) << 1) ^ (np.int64(step) >> 15)
+        while v >= 0x80:
+            out[p] = np.uint8((v & 0x7F) | 0x80)
+            v >>= 7
+            p += 1
+        out[p] = np.uint8(v)
+        p += 1
+    return p
+
+
+def gap_varints(indices: np.ndarray) -> np.ndarray:
+    """LEB128 bytes of `index[i] - index[i-1] - 1` (index[-1] = -1) for ascending int64 indices."""
+    indices = np.ascontiguousarray(indices, np.int64)
+    out = np.empty(indices.size * _MAX_BYTES, np.uint8)
+    return out[: _gaps_into(indices, out)].copy()
+
+
+def step_varints(new_bits: np.ndarray, old_bits: np.ndarray) -> np.ndarray:
+    """LEB128 bytes of zigzag(int16(new - old)): the bit-pattern step of each changed value."""
+    new_bits = np.ascontiguousarray(new_bits, np.int16)
+    old_bits = np.ascontiguousarray(old_bits, np.int16)
+    if new_bits.shape != old_bits.shape:
+        raise ValueError("step_varints needs equally many new and old values")
+    out = np.empty(new_bits.size * _STEP_BYTES, np.uint8)
+    return out[: _steps_into(new_bits, old_bits, out)].copy()
 
 
 def leb128_decode(data: np.ndarray, count: int, *, limit: int) -> np.ndarray:
@@ -71,12 +100,7 @@ def leb128_decode(data: np.ndarray, count: int, *, limit: int) -> np.ndarray:
     return out
 
 
-def zigzag_encode16(diff: np.ndarray) -> np.ndarray:
-    """int16 -> uint16 so that small magnitudes of either sign give small codes."""
-    d = diff.astype(np.int16, copy=False)
-    return ((d.astype(np.int32) << 1) ^ (d.astype(np.int32) >> 15)).astype(np.uint16)
-
-
 def zigzag_decode16(codes: np.ndarray) -> np.ndarray:
+    """uint16 codes -> int16: 0, -1, 1, -2, ... for 0, 1, 2, 3, ..."""
     z = codes.astype(np.int32)
     return ((z >> 1) ^ -(z & 1)).astype(np.int16)
