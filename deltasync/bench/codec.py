@@ -15,7 +15,10 @@ source):
   new - old over all changed elements. `idx_floor_global` = log2 C(N, k) / k with global N, k;
 - throughput in GB of model (bf16 bytes of all parameters) per second: encode = Bf16Snapshot.diff
   (from the bf16 before/after states, digests included) + encode_delta, decode+apply =
-  Replica.update(file bytes) on a replica holding the before-state (digests verified).
+  Replica.update(file bytes) on a replica holding the before-state (digests verified);
+- `ref diff`: the same change scan in plain numpy (compare, flatnonzero, gathers, digests) on the
+  same threads, the baseline for the compiled scan; it also cross-checks the diff element by
+  element.
 
 Usage:
   .venv/bin/python -m deltasync.bench.codec --model qwen3-100m --steps 6 --lr 1e-6 \
@@ -31,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -40,8 +44,9 @@ import torch
 import zstandard
 
 from deltasync.codec import encode_anchor, encode_delta
+from deltasync.digest import tensor_digest
 from deltasync.replica import Replica
-from deltasync.snapshot import Bf16Snapshot, Diff
+from deltasync.snapshot import WORKERS, Bf16Snapshot, Diff
 
 from .memory import PeakRss
 from .output import report
@@ -86,6 +91,34 @@ def reference_encode(diff: Diff, level: int = 3) -> dict[str, float]:
         val_bytes += len(cz.compress(_leb128(zz)))
     return {"idx_bytes": idx_bytes, "val_bytes": val_bytes,
             "bytes": idx_bytes + val_bytes, "s": time.perf_counter() - t0}
+
+
+def reference_diff(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
+                   diff: Diff) -> float:
+    """Wall time of a plain numpy change scan (compare, flatnonzero, gathers, digests) over the
+    same thread pool as `Bf16Snapshot.diff`: the baseline its compiled scan is measured against.
+    Asserts that both found the same elements and values.
+    """
+    def one(name: str) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, str]:
+        old = base[name].reshape(-1).view(torch.int16).numpy()
+        cur = new[name].reshape(-1).view(torch.int16).numpy()
+        where = np.flatnonzero(old != cur)
+        return name, where, cur[where], old[where], tensor_digest(new[name])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(WORKERS) as pool:
+        found = list(pool.map(one, base))
+    elapsed = time.perf_counter() - t0
+    for name, where, values, previous, digest in found:
+        change = diff.changes.get(name)
+        assert digest == diff.digests[name], name
+        if change is None:
+            assert where.size == 0, name
+            continue
+        assert np.array_equal(where, change.indices.numpy()), name
+        assert np.array_equal(values, change.values.view(torch.int16).numpy()), name
+        assert np.array_equal(previous, change.previous.view(torch.int16).numpy()), name
+    return elapsed
 
 
 # --- entropy floor ------------------------------------------------------------------------------
@@ -206,6 +239,7 @@ def run(args: argparse.Namespace) -> dict:
             _, c_stage, c_commit, _ = _update(rep_coo, coo, step, args.repeat)
             coo_apply_s = c_stage + c_commit
         ref = reference_encode(diff)
+        ref_diff_s = min(reference_diff(snap.tensors, state, diff) for _ in range(args.repeat))
         ent = entropy_floor(diff)
         k = diff.changed_elements
         gaps_b, vals_b = _payload_split(packed)
@@ -225,6 +259,7 @@ def run(args: argparse.Namespace) -> dict:
             "diff_s": diff_s, "encode_s": enc_s, "coo_encode_s": coo_enc_s,
             "apply_s": apply_s, "stage_s": stage_s, "commit_s": commit_s,
             "apply_first_s": apply_first_s, "coo_apply_s": coo_apply_s, "ref_encode_s": ref["s"],
+            "ref_diff_s": ref_diff_s,
             "encode_gbps": model_bytes / 1e9 / (diff_s + enc_s),
             "diff_gbps": model_bytes / 1e9 / diff_s, "encode_only_gbps": model_bytes / 1e9 / enc_s,
             "apply_gbps": model_bytes / 1e9 / apply_s,
@@ -273,15 +308,17 @@ def markdown(res: dict) -> str:
             f"{r['packed_vs_floor']:.3f} | {r['packed_vs_ref']:.3f} | "
             f"{r['full_bytes'] / r['packed_bytes']:.0f}x | {100 * r['frac_one_step']:.0f} % |")
     out += ["",
-            "| step | diff s | packed encode s | encode GB/s (diff+enc) | diff GB/s | enc GB/s | "
+            "| step | diff s | ref diff s (numpy) | packed encode s | encode GB/s (diff+enc) | "
+            "diff GB/s | enc GB/s | "
             "decode+apply s (stage+apply) | decode+apply GB/s | first update s | coo encode s | "
             "coo decode+apply s | "
             "ref encode s (1 thread) | encode GB/cpu-s | decode+apply GB/cpu-s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         coo_apply = "-" if r["coo_apply_s"] is None else f"{r['coo_apply_s']:.2f}"
         out.append(
-            f"| {r['step']} | {r['diff_s']:.2f} | {r['encode_s']:.2f} | {r['encode_gbps']:.2f} | "
+            f"| {r['step']} | {r['diff_s']:.2f} | {r['ref_diff_s']:.2f} | {r['encode_s']:.2f} | "
+            f"{r['encode_gbps']:.2f} | "
             f"{r['diff_gbps']:.2f} | {r['encode_only_gbps']:.2f} | {r['apply_s']:.2f} "
             f"({r['stage_s']:.2f}+{r['commit_s']:.2f}) | "
             f"{r['apply_gbps']:.2f} | {r['apply_first_s']:.2f} | {r['coo_encode_s']:.2f} | "
@@ -311,7 +348,9 @@ def markdown(res: dict) -> str:
             f"median: encode {med['encode_gbps']:.2f} GB/s, decode+apply {med['apply_gbps']:.2f} "
             f"GB/s (per CPU-second: {med['encode_gb_per_cpu_s']:.2f} / "
             f"{med['apply_gb_per_cpu_s']:.2f}; best step: {best['encode_gbps']:.2f} / "
-            f"{best['apply_gbps']:.2f} GB/s), packed {med['packed_bits']:.2f} bits/changed, "
+            f"{best['apply_gbps']:.2f} GB/s), diff "
+            f"{statistics.median(r['ref_diff_s'] / r['diff_s'] for r in rows):.1f}x faster than "
+            f"the numpy reference, packed {med['packed_bits']:.2f} bits/changed, "
             "packed/floor "
             f"{med['packed_vs_floor']:.3f}; timings: best of {res['repeat']}; train step "
             + (f"{statistics.median(steps):.1f} s (median of {len(steps)})" if steps else "n/a")
