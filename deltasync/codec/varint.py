@@ -9,10 +9,10 @@ integers.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from ..errors import FormatError
+from ..jit import compiled
 
 __all__ = ["gap_varints", "leb128_decode", "step_varints", "zigzag_decode16"]
 
@@ -20,7 +20,7 @@ _MAX_BYTES = 10  # enough for any uint64
 _STEP_BYTES = 3  # a zigzag int16 is below 2**16 < 2**21
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@compiled
 def _gaps_into(indices, out):  # pragma: no cover - compiled
     p = 0
     previous = -1
@@ -36,7 +36,7 @@ def _gaps_into(indices, out):  # pragma: no cover - compiled
     return p
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@compiled
 def _steps_into(new_bits, old_bits, out):  # pragma: no cover - compiled
     p = 0
     for i in range(new_bits.size):
