@@ -58,24 +58,29 @@ def changed_elements(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(indices, new bits, old bits) where two flat int16 arrays differ; indices ascending int64.
 
-    Releases the GIL, so tensors can be scanned in parallel threads.
+    Releases the GIL, so tensors can be scanned in parallel threads. The output buffers start at
+    a quarter of the elements (address space only: pages are touched as they are written), grow
+    when a denser tensor fills them and shrink to fit at the end (`ndarray.resize`: realloc).
     """
     if base.shape != new.shape or base.dtype != np.int16 or new.dtype != np.int16:
         raise ValueError("changed_elements needs two int16 arrays of the same shape")
     base, new = np.ascontiguousarray(base.reshape(-1)), np.ascontiguousarray(new.reshape(-1))
     n = base.size
-    capacity = min(max(n // 16, _MIN_CAPACITY), n) + _BLOCK
-    parts = []
-    start = 0
+    capacity = min(max(n // 4, _MIN_CAPACITY), n) + _BLOCK
+    outputs = (
+        np.empty(capacity, np.int64),
+        np.empty(capacity, np.int16),
+        np.empty(capacity, np.int16),
+    )
+    count = start = 0
     while True:
-        indices = np.empty(capacity, np.int64)
-        new_bits = np.empty(capacity, np.int16)
-        old_bits = np.empty(capacity, np.int16)
-        count, start = _scan(base, new, start, indices, new_bits, old_bits)
-        parts.append((indices[:count].copy(), new_bits[:count].copy(), old_bits[:count].copy()))
+        found, start = _scan(base, new, start, *(out[count:] for out in outputs))
+        count += found
         if start >= n:
             break
         capacity = min(capacity * 2, n + _BLOCK)
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(np.concatenate(column) for column in zip(*parts, strict=True))  # type: ignore[return-value]
+        for out in outputs:
+            out.resize(capacity, refcheck=False)  # no views of it are alive here
+    for out in outputs:
+        out.resize(count, refcheck=False)
+    return outputs

@@ -37,9 +37,9 @@ def test_matches_numpy_on_any_length_and_density(size, density, seed):
     _check(base, new)
 
 
-@pytest.mark.parametrize("density", [0.0, 0.07, 0.5, 1.0])
+@pytest.mark.parametrize("density", [0.0, 0.07, 0.3, 0.6, 1.0])
 def test_buffers_grow_past_the_first_guess(density):
-    """A million elements changing more than 1 in 16 overflow the first output buffer."""
+    """A million elements changing more than 1 in 4 overflow the first output buffers."""
     rng = np.random.default_rng(0)
     base = rng.integers(-(2**15), 2**15, 1_000_003, dtype=np.int16)
     new = base.copy()
