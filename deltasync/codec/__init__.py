@@ -8,6 +8,7 @@ caller's state can be touched.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import safetensors.torch
@@ -15,7 +16,7 @@ import torch
 
 from ..digest import tensor_digest
 from ..errors import FormatError
-from ..snapshot import Diff, TensorChange
+from ..snapshot import WORKERS, Diff, TensorChange
 from . import coo, packed
 from .header import SafetensorsHeader, TensorInfo, parse_header, parse_header_bytes
 from .metadata import FileMetadata, TensorEntry, validate_run_id
@@ -118,7 +119,9 @@ def decode(
             raise FormatError("decoding a delta needs the base tensors", path=path)
         names = _check_delta_keys(meta, header.tensors)
         tensors = _load(data, path)
-        changes = {name: _decode_one(meta, name, tensors, base) for name in names}
+        with ThreadPoolExecutor(WORKERS) as pool:  # zstd and the compiled decoders release the GIL
+            decoded = pool.map(lambda name: _decode_one(meta, name, tensors, base), names)
+            changes = dict(zip(names, decoded, strict=True))
         return DecodedFile(meta, changes=changes)
     except FormatError as exc:
         if exc.path is None and path is not None:

@@ -16,8 +16,8 @@ import torch
 import zstandard
 
 from ..errors import FormatError
-from ..snapshot import WORKERS, TensorChange, gather
-from .varint import gap_varints, leb128_decode, step_varints, zigzag_decode16
+from ..snapshot import WORKERS, TensorChange
+from .varint import gap_varints, indices_from_gaps, step_varints, values_from_steps
 
 __all__ = ["decode_tensor", "encode_changes"]
 
@@ -67,19 +67,16 @@ def decode_tensor(
     gaps_blob: torch.Tensor, vals_blob: torch.Tensor, count: int, base: torch.Tensor
 ) -> TensorChange:
     """Decode one tensor's changes against its base values (validated, nothing mutated)."""
-    numel = base.numel()
-    gaps = leb128_decode(
-        _decompress(gaps_blob, count * _GAP_BYTES_MAX, "gaps"), count, limit=max(numel, 1)
+    indices = indices_from_gaps(
+        _decompress(gaps_blob, count * _GAP_BYTES_MAX, "gaps"), count, base.numel()
     )
-    if float(gaps.sum(dtype=np.float64)) + count > numel:
-        raise FormatError(f"indices run past the tensor's {numel} elements")
-    indices = (np.cumsum(gaps.astype(np.int64) + 1) - 1) if count else np.empty(0, np.int64)
-    if count and indices[-1] >= numel:
-        raise FormatError(f"index {int(indices[-1])} out of range for {numel} elements")
-    codes = leb128_decode(
-        _decompress(vals_blob, count * _VAL_BYTES_MAX, "vals"), count, limit=1 << 16
+    previous, values = values_from_steps(
+        _decompress(vals_blob, count * _VAL_BYTES_MAX, "vals"),
+        base.detach().reshape(-1).view(torch.int16).numpy(),
+        indices,
     )
-    index_tensor = torch.from_numpy(indices)
-    previous = gather(base, index_tensor)
-    new_bits = previous.view(torch.int16).numpy() + zigzag_decode16(codes)
-    return TensorChange(index_tensor, torch.from_numpy(new_bits).view(torch.bfloat16), previous)
+    return TensorChange(
+        torch.from_numpy(indices),
+        torch.from_numpy(values).view(torch.bfloat16),
+        torch.from_numpy(previous).view(torch.bfloat16),
+    )

@@ -1,10 +1,10 @@
 """LEB128 and zigzag: the integer layer under the `packed` encoding.
 
-Encoding is the trainer's hot path, so it is a compiled (numba) loop that also does the
-arithmetic before it: index gaps, and zigzag of the bit-pattern step, in the same pass. Decoding
-reads untrusted bytes and stays vectorised numpy: sparse-delta integers are almost all below 128
-(one byte), so it does one pass over everything and further passes only over the few multi-byte
-integers.
+Both directions are compiled (numba) loops that fuse the arithmetic around the varints into the
+same pass: encoding takes index gaps and the zigzag of each bit-pattern step; decoding rebuilds
+the indices and, reading the base at those indices, the new bits. Decoding reads untrusted
+bytes: every varint is bounds-checked in the loop, and the stream's integer count is checked
+(one vectorised pass) before anything proportional to the claimed count is allocated.
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ import numpy as np
 from ..errors import FormatError
 from ..jit import compiled
 
-__all__ = ["gap_varints", "leb128_decode", "step_varints", "zigzag_decode16"]
+__all__ = ["gap_varints", "indices_from_gaps", "step_varints", "values_from_steps"]
 
 _MAX_BYTES = 10  # enough for any uint64
 _STEP_BYTES = 3  # a zigzag int16 is below 2**16 < 2**21
+_PAYLOAD_BITS = 56  # no tensor has 2**56 elements: a varint past this is out of range
+# statuses of the compiled decoders
+_OK, _OVERLONG, _OUT_OF_RANGE, _MISCOUNTED = 0, 1, 2, 3
 
 
 @compiled
@@ -68,39 +71,92 @@ def step_varints(new_bits: np.ndarray, old_bits: np.ndarray) -> np.ndarray:
     return out[: _steps_into(new_bits, old_bits, out)].copy()
 
 
-def leb128_decode(data: np.ndarray, count: int, *, limit: int) -> np.ndarray:
-    """Decode exactly `count` integers, each < `limit`, from LEB128 bytes (uint64 result).
+@compiled
+def _read_varints(data, limit, out):  # pragma: no cover - compiled
+    """Decode LEB128 integers, each < `limit`, into `out`; returns (status, integers decoded)."""
+    n = data.size
+    p = 0
+    k = 0
+    while p < n:
+        if k == out.size:
+            return _MISCOUNTED, k
+        value = 0
+        shift = 0
+        while True:
+            if p == n:
+                return _MISCOUNTED, k  # unterminated last integer
+            byte = np.int64(data[p])
+            p += 1
+            if shift < _PAYLOAD_BITS:
+                value |= (byte & 0x7F) << shift
+            elif byte & 0x7F:
+                return _OUT_OF_RANGE, k
+            if byte < 0x80:
+                break
+            shift += 7
+            if shift >= 7 * _MAX_BYTES:
+                return _OVERLONG, k
+        if value >= limit:
+            return _OUT_OF_RANGE, k
+        out[k] = value
+        k += 1
+    return (_OK if k == out.size else _MISCOUNTED), k
 
-    Raises `FormatError` on a wrong count, an unterminated last integer, an overlong encoding or a
-    value at or past `limit`, before allocating anything proportional to a hostile count.
-    """
-    data = np.asarray(data, np.uint8)
-    terminators = data < 0x80
-    found = int(np.count_nonzero(terminators))
-    if found != count or (count and not terminators[-1]):
+
+@compiled
+def _gaps_to_indices(gaps, numel):  # pragma: no cover - compiled
+    """Indices from gaps in place; False when they run past `numel`."""
+    position = -1
+    for k in range(gaps.size):
+        position += gaps[k] + 1
+        if position >= numel:
+            return False
+        gaps[k] = position
+    return True
+
+
+@compiled
+def _apply_steps(codes, base, indices, previous, values):  # pragma: no cover - compiled
+    """previous = base[indices]; values = previous + unzigzag(codes), modulo 2**16."""
+    for k in range(codes.size):
+        old = base[indices[k]]
+        previous[k] = old
+        code = codes[k]
+        values[k] = np.int16(np.int64(old) + ((code >> 1) ^ -(code & 1)))
+
+
+def _varints(data: np.ndarray, count: int, limit: int) -> np.ndarray:
+    """Exactly `count` LEB128 integers, each < `limit`, as int64 (`FormatError` otherwise)."""
+    data = np.ascontiguousarray(data, np.uint8)
+    found = int(np.count_nonzero(data < 0x80))
+    if found != count or (count and data[-1] >= 0x80):
         raise FormatError(f"varint stream holds {found} integers, expected {count}")
-    if found == data.size:
-        out = data.astype(np.uint64)
-    else:
-        ends = np.flatnonzero(terminators)
-        starts = np.empty_like(ends)
-        starts[0] = 0
-        starts[1:] = ends[:-1] + 1
-        lengths = ends - starts + 1
-        multi = np.flatnonzero(lengths > 1)
-        if int(lengths[multi].max()) > _MAX_BYTES:
-            raise FormatError("varint longer than 10 bytes")
-        out = (data[starts] & 0x7F).astype(np.uint64)
-        for k in range(1, int(lengths[multi].max())):
-            multi = multi[lengths[multi] > k]
-            part = (data[starts[multi] + k] & 0x7F).astype(np.uint64)
-            out[multi] |= part << np.uint64(7 * k)
-    if out.size and int(out.max()) >= limit:
-        raise FormatError(f"varint value {int(out.max())} out of range (limit {limit})")
+    out = np.empty(count, np.int64)
+    status, k = _read_varints(data, limit, out)
+    if status != _OK:
+        problem = {
+            _OVERLONG: f"is longer than {_MAX_BYTES} bytes",
+            _OUT_OF_RANGE: f"is out of range (limit {limit})",
+            _MISCOUNTED: f"is past the {count} expected",
+        }[status]
+        raise FormatError(f"varint {k} {problem}")
     return out
 
 
-def zigzag_decode16(codes: np.ndarray) -> np.ndarray:
-    """uint16 codes -> int16: 0, -1, 1, -2, ... for 0, 1, 2, 3, ..."""
-    z = codes.astype(np.int32)
-    return ((z >> 1) ^ -(z & 1)).astype(np.int16)
+def indices_from_gaps(data: np.ndarray, count: int, numel: int) -> np.ndarray:
+    """The `count` ascending int64 indices that `gap_varints` encoded, all below `numel`."""
+    indices = _varints(data, count, max(numel, 1))
+    if not _gaps_to_indices(indices, numel):
+        raise FormatError(f"indices run past the tensor's {numel} elements")
+    return indices
+
+
+def values_from_steps(
+    data: np.ndarray, base: np.ndarray, indices: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(previous, new) int16 bits at `indices` of the flat base, from `step_varints` bytes."""
+    codes = _varints(data, indices.size, 1 << 16)
+    previous = np.empty(indices.size, np.int16)
+    values = np.empty(indices.size, np.int16)
+    _apply_steps(codes, base, indices, previous, values)
+    return previous, values

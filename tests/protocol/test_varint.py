@@ -1,5 +1,5 @@
-"""The compiled LEB128 encoders match a byte-at-a-time reference; the decoder round-trips them
-and refuses bad streams."""
+"""The compiled LEB128 encoders match a byte-at-a-time reference; the compiled decoders
+round-trip them and refuse bad streams."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltasync.codec.varint import gap_varints, leb128_decode, step_varints, zigzag_decode16
+from deltasync.codec.varint import (
+    gap_varints,
+    indices_from_gaps,
+    step_varints,
+    values_from_steps,
+)
 from deltasync.errors import FormatError
 
 
@@ -29,14 +34,15 @@ def reference_zigzag16(new: int, old: int) -> int:
 
 
 @settings(deadline=None)  # the first call in a process loads the compiled kernels
-@given(st.sets(st.integers(0, 2**62), max_size=200))
+@given(st.sets(st.integers(0, 2**50), max_size=200))
 def test_gaps_match_reference_and_round_trip(index_set):
     indices = sorted(index_set)
     gaps = [b - a - 1 for a, b in zip([-1, *indices][:-1], indices, strict=True)]
     encoded = gap_varints(np.array(indices, np.int64))
     assert encoded.tobytes() == reference_leb128(gaps)
-    decoded = leb128_decode(encoded, len(gaps), limit=2**63)
-    assert np.array_equal(np.cumsum(decoded.astype(np.int64) + 1) - 1, np.array(indices, np.int64))
+    decoded = indices_from_gaps(encoded, len(indices), numel=2**50 + 1)
+    assert decoded.dtype == np.int64
+    assert decoded.tolist() == indices
 
 
 @settings(deadline=None)  # the first call in a process loads the compiled kernels
@@ -51,8 +57,13 @@ def test_steps_match_reference_and_round_trip(pairs):
     codes = [reference_zigzag16(n, o) for n, o in pairs]
     encoded = step_varints(new, old)
     assert encoded.tobytes() == reference_leb128(codes)
-    steps = zigzag_decode16(leb128_decode(encoded, len(pairs), limit=2**16))
-    assert np.array_equal(old + steps, new)  # int16 arithmetic wraps as the encoder's did
+    # the base holds the old bits at every other position of a larger tensor
+    base = np.full(2 * len(pairs) + 1, 7, np.int16)
+    indices = np.arange(len(pairs), dtype=np.int64) * 2 + 1
+    base[indices] = old
+    previous, values = values_from_steps(encoded, base, indices)
+    assert np.array_equal(previous, old)
+    assert np.array_equal(values, new)
 
 
 def test_small_steps_take_one_byte():
@@ -64,13 +75,36 @@ def test_small_steps_take_one_byte():
 @pytest.mark.parametrize(
     ("stream", "count", "message"),
     [
-        (b"\x01\x02", 3, "holds 2 integers"),
+        (b"\x01\x02", 3, "holds 2 integers, expected 3"),
+        (b"\x01\x02\x03", 2, "holds 3 integers, expected 2"),
         (b"\x01\x82", 1, "holds 1 integers"),  # unterminated last integer
-        (b"\xff" * 11 + b"\x01", 1, "longer than 10 bytes"),
-        (b"\x80\x01", 1, "out of range"),  # 128 >= limit
+        (b"\x80" * 10 + b"\x00", 1, "longer than 10 bytes"),  # overlong zero
+        (b"\xff" * 9 + b"\x01", 1, "out of range"),  # 2**63 and more
+        (b"\x80\x01", 1, "out of range"),  # gap 128 in a tensor of 100
+        (b"\x00" * 50 + b"\x32", 51, "run past the tensor.s 100 elements"),  # index 100
     ],
-    ids=["wrong-count", "unterminated", "overlong", "out-of-range"],
+    ids=["too-few", "too-many", "unterminated", "overlong", "huge", "gap-too-big", "run-past"],
 )
-def test_bad_streams_are_refused(stream, count, message):
+def test_bad_gap_streams_are_refused(stream, count, message):
     with pytest.raises(FormatError, match=message):
-        leb128_decode(np.frombuffer(stream, np.uint8), count, limit=128)
+        indices_from_gaps(np.frombuffer(stream, np.uint8), count, numel=100)
+
+
+@pytest.mark.parametrize(
+    ("stream", "message"),
+    [
+        (b"\x80\x80\x04\x00", "out of range"),  # 2**16: no int16 step zigzags to it
+        (b"\x01", "holds 1 integers, expected 2"),
+        (b"\x01\x01\x01", "holds 3 integers, expected 2"),
+    ],
+    ids=["step-too-big", "too-few", "too-many"],
+)
+def test_bad_step_streams_are_refused(stream, message):
+    with pytest.raises(FormatError, match=message):
+        values_from_steps(
+            np.frombuffer(stream, np.uint8), np.zeros(4, np.int16), np.array([0, 3], np.int64)
+        )
+
+
+def test_last_index_may_be_the_last_element():
+    assert indices_from_gaps(np.array([0, 98], np.uint8), 2, numel=100).tolist() == [0, 99]
