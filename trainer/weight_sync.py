@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -114,6 +115,7 @@ class BucketWeightTransfer:
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
             sync = self._order.submit(self._finish, future, started, expected)
+            sync.add_done_callback(_log_failure)
             self._pending.append(sync)
         if not self.state.synced:  # cold start: rollouts begin once a replica serves a version
             sync.result(timeout=1800)
@@ -122,11 +124,7 @@ class BucketWeightTransfer:
         """Let queued syncs finish (bounded), then stop the publisher."""
         with self._lock:
             pending = list(self._pending)
-        for f in pending:
-            try:
-                f.result(timeout=600)
-            except Exception as exc:  # already logged by _finish; destroy must not raise
-                log.error("weight sync failed: %s", exc)
+        futures_wait(pending, timeout=600)  # never raises; failures were logged by _log_failure
         self.publisher.close(timeout=600)
         self._order.shutdown(wait=True)
         self._fanout.shutdown(wait=True)
@@ -214,6 +212,12 @@ class BucketWeightTransfer:
             )
         except DeltaSyncError as exc:
             log.warning("metrics record for version %d not updated: %s", record.version, exc)
+
+
+def _log_failure(sync: Future[dict]) -> None:
+    """A sync that raised loses its replica outcomes: say so when it happens."""
+    if not sync.cancelled() and sync.exception() is not None:
+        log.error("weight sync failed", exc_info=sync.exception())
 
 
 def _check_digests(served: dict[str, str], expected: dict[str, str]) -> None:

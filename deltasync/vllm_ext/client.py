@@ -10,6 +10,7 @@ Used by the launcher's bootstrap, the trainer's weight transfer and the tests:
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -66,7 +67,13 @@ class ReplicaClient:
             ) from None
         except (urllib.error.URLError, OSError) as exc:
             raise ReplicaError(f"{method} {path} unreachable", url=url, body=str(exc)) from exc
-        return json.loads(raw) if raw.strip() else None
+        except http.client.HTTPException as exc:  # e.g. the server died mid-response
+            raise ReplicaError(f"{method} {path} broke off", url=url, body=repr(exc)) from exc
+        try:
+            return json.loads(raw) if raw.strip() else None
+        except ValueError:
+            text = raw[:500].decode(errors="replace")
+            raise ReplicaError(f"{method} {path} answered no JSON", url=url, body=text) from None
 
     # -- state -------------------------------------------------------------------------------
 

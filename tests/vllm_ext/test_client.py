@@ -1,0 +1,55 @@
+"""The replica client turns every broken answer into a `ReplicaError` (which the trainer counts as
+a failed attempt), including a server that dies halfway through a response."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
+
+
+def _serve_once(listener: socket.socket, reply: bytes) -> None:
+    conn, _ = listener.accept()
+    with conn:
+        conn.recv(65536)
+        conn.sendall(reply)  # then close: what a SIGKILLed server leaves behind
+
+
+@pytest.fixture
+def answering() -> Iterator:
+    """A loopback server that answers one request with the given raw bytes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    threads = []
+
+    def start(reply: bytes) -> ReplicaClient:
+        thread = threading.Thread(target=_serve_once, args=(listener, reply), daemon=True)
+        thread.start()
+        threads.append(thread)
+        return ReplicaClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=10)
+
+    yield start
+    for thread in threads:
+        thread.join(timeout=10)
+    listener.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "message"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"ok\"", "broke off"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nnope!", "answered no JSON"),
+        (b"garbage\r\n\r\n", "broke off|unreachable"),
+        (b"", "unreachable"),
+    ],
+    ids=["body-cut-short", "not-json", "no-status-line", "closed-silently"],
+)
+def test_broken_answers_are_replica_errors(answering, reply, message):
+    client = answering(reply)
+    with pytest.raises(ReplicaError, match=message):
+        client.request("POST", "/pause", query={"mode": "keep"})
