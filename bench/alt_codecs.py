@@ -8,7 +8,7 @@ Sizes (bits per changed element, payload only) and numpy encode time of:
 - val `signmag`: sign bits raw (packbits), a "|d| > 1" bit plane under zstd, and LEB128(|d| - 2)
   of the rest under zstd; `signmag(rice)`: the same with the "|d| > 1" positions Rice-coded.
 All round-trip checked. Usage:
-  PYTHONPATH=. .venv/bin/python -m bench.alt_codecs --model qwen3-100m --steps 8 \
+  .venv/bin/python -m bench.alt_codecs --model qwen3-100m --steps 8 \
       --cache /tmp/deltasync-bench
 """
 
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import zstandard
 
-from deltasync.bench.codec import _leb128, entropy_floor
-from deltasync.bench.realistic import SHAPES, deltas
+from .codec import _leb128, entropy_floor
+from .realistic import SHAPES, deltas
 
 
 def rice_encode(gaps: np.ndarray) -> tuple[int, bytes, bytes]:

@@ -124,16 +124,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 1 if run_demo(args.bucket, args.steps, args.lr, args.encoding) else 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from .bench import codec
-
-    argv = ["--model", args.model, "--steps", str(args.steps), "--lr", str(args.lr)]
-    argv += ["--repeat", str(args.repeat)]
-    argv += ["--cache", args.cache] if args.cache else []
-    argv += ["--json", args.json] if args.json else []
-    return codec.main(argv)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m deltasync",
@@ -168,23 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder for model.safetensors")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_replay)
-    p = sub.add_parser(
-        "bench",
-        help="train a Qwen3-shaped model at an RL learning rate and print payload and speed "
-        "per step (full / coo / packed / entropy floor; diff, encode, apply; trainer cost)",
-    )
-    p.add_argument(
-        "--model",
-        default="qwen3-100m",
-        choices=("qwen3-tiny", "qwen3-100m", "qwen3-0.6b"),
-        help="shape (default qwen3-100m: ~2 min here; qwen3-0.6b: ~8 min)",
-    )
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
-    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
-    p.add_argument("--repeat", type=int, default=1, help="timings: best of N (default 1)")
-    p.add_argument("--cache", default=None, help="keep the trained steps here for re-runs")
-    p.add_argument("--json", default=None, help="also write the results as JSON here")
-    p.set_defaults(run=_bench)
     return parser
 
 

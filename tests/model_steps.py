@@ -9,7 +9,7 @@ def tiny_qwen3(seed: int = 0, *, tie: bool = True):
     """The project's tiny Qwen3 (2 layers, head_dim 32) with std-0.02 init, fp32 weights."""
     from transformers import Qwen3ForCausalLM
 
-    from deltasync.vllm_ext.tiny_model import tiny_qwen3_config
+    from trainer.tiny_model import tiny_qwen3_config
 
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(tiny_qwen3_config(tie=tie)).float()

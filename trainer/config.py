@@ -24,7 +24,7 @@ def prepare_model(model: str, model_dir: str, *, seed: int = 0) -> str:
         return model
     from trl.chat_template_utils import qwen3_chat_template
 
-    from deltasync.vllm_ext.tiny_model import build_tiny_qwen3
+    from trainer.tiny_model import build_tiny_qwen3
 
     directory = Path(model_dir).resolve()
     marker = directory / "deltasync_tiny.json"

@@ -1,4 +1,4 @@
-"""The benchmark tools stay runnable: `python -m deltasync bench` and the synthetic generator."""
+"""The benchmark tools stay runnable: `python -m bench` and the synthetic generator."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import json
 import numpy as np
 import torch
 
-from deltasync.bench.synthetic import parameter_shapes, synthetic_states
-from deltasync.cli import main
+from bench.__main__ import main
+from bench.synthetic import parameter_shapes, synthetic_states
 
 
 def test_bench_command_prints_the_tables_and_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert main(["bench", "--model", "qwen3-tiny", "--steps", "2", "--json", str(out)]) == 0
+    assert main(["--model", "qwen3-tiny", "--steps", "2", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     for heading in ("| step | density | full MB | coo MB | packed MB", "Trainer side"):
         assert heading in printed

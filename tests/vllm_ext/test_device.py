@@ -19,7 +19,7 @@ from deltasync.snapshot import Bf16Snapshot
 from deltasync.store import open_store
 from deltasync.vllm_ext.device import InPlaceReplica
 from deltasync.vllm_ext.layout import build_layout, module_groups, served_name
-from deltasync.vllm_ext.tiny_model import tiny_qwen3_config
+from trainer.tiny_model import tiny_qwen3_config
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 SENTINEL = -7.0  # fills padding rows; must never be written

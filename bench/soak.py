@@ -12,7 +12,7 @@ replica's process tree after every sync; "flat" means the second half's growth i
 the model (reported as MB per 100 syncs).
 
 Usage:
-  .venv/bin/python -m deltasync.bench.soak --syncs 500 --replicas 2 --json bench/results/soak.json
+  .venv/bin/python -m bench.soak --syncs 500 --replicas 2 --json bench/results/soak.json
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from pathlib import Path
 
 import torch
 
-from ..policy import AnchorPolicy
-from ..publisher import Publisher, PublisherConfig
-from ..snapshot import Bf16Snapshot
-from ..store import open_store
-from ..vllm_ext.tiny_model import build_tiny_qwen3
+from deltasync.policy import AnchorPolicy
+from deltasync.publisher import Publisher, PublisherConfig
+from deltasync.snapshot import Bf16Snapshot
+from deltasync.store import open_store
+from trainer.tiny_model import build_tiny_qwen3
+
 from .memory import PeakRss
 from .output import report
 from .server import served

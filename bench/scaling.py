@@ -4,7 +4,7 @@ stream over the model once, so their time grows linearly with the parameter coun
 grows with parameters x density x bits per changed element.
 
 Usage:
-  .venv/bin/python -m deltasync.bench.scaling --models qwen3-100m qwen3-0.6b qwen3-1.7b \
+  .venv/bin/python -m bench.scaling --models qwen3-100m qwen3-0.6b qwen3-1.7b \
       --density 0.02 --steps 2 --json bench/results/scaling.json
 """
 
@@ -20,9 +20,10 @@ from functools import partial
 
 import psutil
 
-from ..codec import encode_anchor, encode_delta
-from ..replica import Replica
-from ..snapshot import Bf16Snapshot
+from deltasync.codec import encode_anchor, encode_delta
+from deltasync.replica import Replica
+from deltasync.snapshot import Bf16Snapshot
+
 from .codec import _timed, _update
 from .memory import PeakRss
 from .realistic import SHAPES

@@ -26,7 +26,7 @@ API:
   `stepNNNN.safetensors` per step (`<name>.idx` int32/int64 ascending flat indices,
   `<name>.val` bf16 new values) under DIR/<key>/; later calls replay from disk without training.
 
-CLI: `python -m deltasync.bench.realistic --model qwen3-100m --steps 6 --cache /tmp/deltasync-bench`
+CLI: `python -m bench.realistic --model qwen3-100m --steps 6 --cache /tmp/deltasync-bench`
 trains (or checks) the cache and prints per-step loss, density and step time.
 """
 

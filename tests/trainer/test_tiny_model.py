@@ -7,7 +7,7 @@ import json
 import torch
 
 from deltasync.snapshot import Bf16Snapshot
-from deltasync.vllm_ext.tiny_model import build_tiny_qwen3
+from trainer.tiny_model import build_tiny_qwen3
 
 
 def test_checkpoint_tokenizer_and_trainer_copy(tmp_path):

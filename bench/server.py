@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from ..vllm_ext.client import ReplicaClient
+from deltasync.vllm_ext.client import ReplicaClient
 
 __all__ = ["free_port", "served"]
 

@@ -13,7 +13,7 @@ full reload of the same model on the same server.
    stages and applies (RSS of its process tree, sampled every 20 ms).
 
 Usage:
-  .venv/bin/python -m deltasync.bench.replica --model qwen3-0.6b --steps 6 \
+  .venv/bin/python -m bench.replica --model qwen3-0.6b --steps 6 \
       --cache /tmp/deltasync-bench --json bench/results/replica-qwen3-0.6b.json
 """
 
@@ -30,11 +30,12 @@ from pathlib import Path
 
 import torch
 
-from ..digest import tensor_digest
-from ..policy import AnchorPolicy
-from ..publisher import Publisher, PublisherConfig
-from ..store import open_store
-from ..vllm_ext.client import ReplicaClient
+from deltasync.digest import tensor_digest
+from deltasync.policy import AnchorPolicy
+from deltasync.publisher import Publisher, PublisherConfig
+from deltasync.store import open_store
+from deltasync.vllm_ext.client import ReplicaClient
+
 from .memory import PeakRss
 from .output import report
 from .realistic import SHAPES, bf16_states, build_config
@@ -52,7 +53,7 @@ def _states(args: argparse.Namespace):
 
 
 def _model_dir(directory: Path, model: str, anchor: Path) -> None:
-    from ..vllm_ext.tiny_model import byte_level_tokenizer
+    from trainer.tiny_model import byte_level_tokenizer
 
     config = build_config(SHAPES[model])
     config.dtype = torch.bfloat16

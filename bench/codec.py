@@ -1,7 +1,7 @@
 """Codec benchmark on realistic bf16 RL deltas: sizes, bits per changed element, entropy floor,
 and throughput (GB of model per second) for diff+encode and decode+apply.
 
-Per optimizer step of `deltasync.bench.realistic` (Qwen3-shaped model, AdamW, LM loss on Python
+Per optimizer step of `bench.realistic` (Qwen3-shaped model, AdamW, LM loss on Python
 source):
 - density = changed / total elements;
 - bytes of the whole file for full bf16 (model bytes), `coo` and `packed` (`encode_delta`), and a
@@ -21,7 +21,7 @@ source):
   element.
 
 Usage:
-  .venv/bin/python -m deltasync.bench.codec --model qwen3-100m --steps 6 --lr 1e-6 \
+  .venv/bin/python -m bench.codec --model qwen3-100m --steps 6 --lr 1e-6 \
       --cache /tmp/deltasync-bench --json bench/results/codec-qwen3-100m.json
 """
 
