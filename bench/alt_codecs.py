@@ -61,8 +61,11 @@ def signmag(d: np.ndarray, cz) -> int:
     mag = np.abs(d)
     big = mag > 1
     rest = (mag[big] - 2).astype(np.uint64)
-    return (len(sign.tobytes()) + len(cz.compress(np.packbits(big).tobytes()))
-            + len(cz.compress(_leb128(rest))))
+    return (
+        len(sign.tobytes())
+        + len(cz.compress(np.packbits(big).tobytes()))
+        + len(cz.compress(_leb128(rest)))
+    )
 
 
 def signmag_rice(d: np.ndarray, cz) -> int:
@@ -71,8 +74,13 @@ def signmag_rice(d: np.ndarray, cz) -> int:
     big = np.flatnonzero(mag > 1)
     _, low, high = rice_encode(np.diff(big, prepend=-1) - 1)
     rest = (mag[big] - 2).astype(np.uint64)
-    return len(np.packbits(d < 0).tobytes()) + len(low) + len(high) + 1 + len(
-        cz.compress(_leb128(rest)))
+    return (
+        len(np.packbits(d < 0).tobytes())
+        + len(low)
+        + len(high)
+        + 1
+        + len(cz.compress(_leb128(rest)))
+    )
 
 
 def evaluate(diff, levels=(1, 3)) -> dict:
@@ -88,8 +96,9 @@ def evaluate(diff, levels=(1, 3)) -> dict:
     for change in diff.changes.values():
         idx = change.indices.numpy()
         gaps = np.diff(idx, prepend=-1) - 1
-        d = (change.values.view(torch.int16).numpy().astype(np.int32)
-             - change.previous.view(torch.int16).numpy().astype(np.int32))
+        d = change.values.view(torch.int16).numpy().astype(np.int32) - change.previous.view(
+            torch.int16
+        ).numpy().astype(np.int32)
         d = (d + 32768) % 65536 - 32768
         zz = ((d << 1) ^ (d >> 31)).astype(np.uint32)
         for lv, cz in czs.items():
@@ -121,18 +130,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = []
-    for step, diff in enumerate(deltas(args.model, args.steps, lr=args.lr, cache=args.cache,
-                                       log=lambda m: print(m, file=sys.stderr)), 1):
+    for step, diff in enumerate(
+        deltas(
+            args.model,
+            args.steps,
+            lr=args.lr,
+            cache=args.cache,
+            log=lambda m: print(m, file=sys.stderr),
+        ),
+        1,
+    ):
         r = {"step": step, **evaluate(diff)}
         rows.append(r)
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}),
-              flush=True)
+        print(
+            json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}),
+            flush=True,
+        )
     keys = [k for k in rows[0] if k.endswith(" bits")]
     print("| step | density | idx floor | " + " | ".join(keys) + " | val floor |")
     print("|---" * (len(keys) + 4) + "|")
     for r in rows:
-        print(f"| {r['step']} | {100 * r['density']:.2f} % | {r['idx_floor']:.2f} | "
-              + " | ".join(f"{r[k]:.2f}" for k in keys) + f" | {r['val_floor']:.2f} |")
+        print(
+            f"| {r['step']} | {100 * r['density']:.2f} % | {r['idx_floor']:.2f} | "
+            + " | ".join(f"{r[k]:.2f}" for k in keys)
+            + f" | {r['val_floor']:.2f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

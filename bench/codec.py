@@ -58,6 +58,7 @@ LN2 = math.log(2.0)
 
 # --- plain reference encoder (independent of deltasync.codec) ---------------------------------
 
+
 def _leb128(values: np.ndarray) -> bytes:
     v = values.astype(np.uint64)
     if v.size == 0:
@@ -83,22 +84,29 @@ def reference_encode(diff: Diff, level: int = 3) -> dict[str, float]:
     for change in diff.changes.values():
         idx = change.indices.numpy()
         gaps = np.diff(idx, prepend=-1) - 1
-        d = (change.values.view(torch.int16).numpy().astype(np.int32)
-             - change.previous.view(torch.int16).numpy().astype(np.int32))
+        d = change.values.view(torch.int16).numpy().astype(np.int32) - change.previous.view(
+            torch.int16
+        ).numpy().astype(np.int32)
         d = ((d + 32768) % 65536 - 32768).astype(np.int32)  # wrap to int16
         zz = ((d << 1) ^ (d >> 31)).astype(np.uint32)
         idx_bytes += len(cz.compress(_leb128(gaps)))
         val_bytes += len(cz.compress(_leb128(zz)))
-    return {"idx_bytes": idx_bytes, "val_bytes": val_bytes,
-            "bytes": idx_bytes + val_bytes, "s": time.perf_counter() - t0}
+    return {
+        "idx_bytes": idx_bytes,
+        "val_bytes": val_bytes,
+        "bytes": idx_bytes + val_bytes,
+        "s": time.perf_counter() - t0,
+    }
 
 
-def reference_diff(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
-                   diff: Diff) -> float:
+def reference_diff(
+    base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], diff: Diff
+) -> float:
     """Wall time of a plain numpy change scan (compare, flatnonzero, gathers, digests) over the
     same thread pool as `Bf16Snapshot.diff`: the baseline its compiled scan is measured against.
     Asserts that both found the same elements and values.
     """
+
     def one(name: str) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, str]:
         old = base[name].reshape(-1).view(torch.int16).numpy()
         cur = new[name].reshape(-1).view(torch.int16).numpy()
@@ -123,6 +131,7 @@ def reference_diff(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
 
 # --- entropy floor ------------------------------------------------------------------------------
 
+
 def _log2_binom(n: int, k: int) -> float:
     return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / LN2
 
@@ -135,16 +144,22 @@ def entropy_floor(diff: Diff) -> dict[str, float]:
     for name, change in diff.changes.items():
         numel = int(np.prod(diff.shapes[name], dtype=np.int64))
         per_tensor += _log2_binom(numel, change.indices.numel())
-        d = (change.values.view(torch.int16).numpy() - change.previous.view(torch.int16).numpy())
+        d = change.values.view(torch.int16).numpy() - change.previous.view(torch.int16).numpy()
         counts += np.bincount(d.view(np.uint16), minlength=65536)
     p = counts[counts > 0] / k
     val = float(-(p * np.log2(p)).sum())
     one_step = (counts[1] + counts[65535]) / k
-    return {"idx_floor": per_tensor / k, "idx_floor_global": _log2_binom(n, k) / k,
-            "val_floor": val, "floor": per_tensor / k + val, "frac_one_step": float(one_step)}
+    return {
+        "idx_floor": per_tensor / k,
+        "idx_floor_global": _log2_binom(n, k) / k,
+        "val_floor": val,
+        "floor": per_tensor / k + val,
+        "frac_one_step": float(one_step),
+    }
 
 
 # --- the benchmark ------------------------------------------------------------------------------
+
 
 def _payload_split(data: bytes) -> tuple[int, int]:
     tensors = safetensors.torch.load(data)
@@ -167,8 +182,9 @@ def _timed(fn, repeat: int):
     return result, best, cpu
 
 
-def _update(replica: Replica, data: bytes, base: int, repeat: int
-            ) -> tuple[float, float, float, float]:
+def _update(
+    replica: Replica, data: bytes, base: int, repeat: int
+) -> tuple[float, float, float, float]:
     """Replica.update(data), which is stage (decode, validate) + apply (write, verify digests).
 
     Returns (first update's wall time, best stage time, best apply time, best CPU time of the
@@ -210,9 +226,17 @@ def run(args: argparse.Namespace) -> dict:
     load0 = os.getloadavg()
     snap = rep_packed = rep_coo = None
     model_bytes = 0
-    for step, state in bf16_states(args.model, args.steps, lr=args.lr, seed=args.seed,
-                                   batch=args.batch, seq=args.seq, cache=args.cache, info=info,
-                                   log=lambda m: print(m, file=sys.stderr, flush=True)):
+    for step, state in bf16_states(
+        args.model,
+        args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        batch=args.batch,
+        seq=args.seq,
+        cache=args.cache,
+        info=info,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    ):
         if step == 0:
             model_bytes = sum(t.numel() * 2 for t in state.values())
             snap = Bf16Snapshot(_clone(state))
@@ -231,8 +255,7 @@ def run(args: argparse.Namespace) -> dict:
             enc = partial(encode_delta, diff, run_id=RUN_ID, version=step + 1, base_version=step)
             packed, enc_s, enc_cpu = _timed(partial(enc, encoding="packed"), args.repeat)
         coo, coo_enc_s, _ = _timed(partial(enc, encoding="coo"), args.repeat)
-        apply_first_s, stage_s, commit_s, apply_cpu = _update(rep_packed, packed, step,
-                                                              args.repeat)
+        apply_first_s, stage_s, commit_s, apply_cpu = _update(rep_packed, packed, step, args.repeat)
         apply_s = stage_s + commit_s
         coo_apply_s = None
         if rep_coo is not None:
@@ -244,44 +267,79 @@ def run(args: argparse.Namespace) -> dict:
         k = diff.changed_elements
         gaps_b, vals_b = _payload_split(packed)
         row = {
-            "step": step, "density": diff.density, "changed": k, "total": diff.total_elements,
-            "full_bytes": model_bytes, "coo_bytes": len(coo), "packed_bytes": len(packed),
-            "packed_gaps_bytes": gaps_b, "packed_vals_bytes": vals_b,
+            "step": step,
+            "density": diff.density,
+            "changed": k,
+            "total": diff.total_elements,
+            "full_bytes": model_bytes,
+            "coo_bytes": len(coo),
+            "packed_bytes": len(packed),
+            "packed_gaps_bytes": gaps_b,
+            "packed_vals_bytes": vals_b,
             "packed_header_bytes": len(packed) - gaps_b - vals_b,
-            "ref_bytes": ref["bytes"], "ref_idx_bytes": ref["idx_bytes"],
+            "ref_bytes": ref["bytes"],
+            "ref_idx_bytes": ref["idx_bytes"],
             "ref_val_bytes": ref["val_bytes"],
-            "coo_bits": 8 * len(coo) / k, "packed_bits": 8 * len(packed) / k,
-            "packed_idx_bits": 8 * gaps_b / k, "packed_val_bits": 8 * vals_b / k,
+            "coo_bits": 8 * len(coo) / k,
+            "packed_bits": 8 * len(packed) / k,
+            "packed_idx_bits": 8 * gaps_b / k,
+            "packed_val_bits": 8 * vals_b / k,
             "ref_bits": 8 * ref["bytes"] / k,
             **ent,
             "packed_vs_floor": 8 * len(packed) / k / ent["floor"],
             "packed_vs_ref": len(packed) / ref["bytes"],
-            "diff_s": diff_s, "encode_s": enc_s, "coo_encode_s": coo_enc_s,
-            "apply_s": apply_s, "stage_s": stage_s, "commit_s": commit_s,
-            "apply_first_s": apply_first_s, "coo_apply_s": coo_apply_s, "ref_encode_s": ref["s"],
+            "diff_s": diff_s,
+            "encode_s": enc_s,
+            "coo_encode_s": coo_enc_s,
+            "apply_s": apply_s,
+            "stage_s": stage_s,
+            "commit_s": commit_s,
+            "apply_first_s": apply_first_s,
+            "coo_apply_s": coo_apply_s,
+            "ref_encode_s": ref["s"],
             "ref_diff_s": ref_diff_s,
             "encode_gbps": model_bytes / 1e9 / (diff_s + enc_s),
-            "diff_gbps": model_bytes / 1e9 / diff_s, "encode_only_gbps": model_bytes / 1e9 / enc_s,
+            "diff_gbps": model_bytes / 1e9 / diff_s,
+            "encode_only_gbps": model_bytes / 1e9 / enc_s,
             "apply_gbps": model_bytes / 1e9 / apply_s,
-            "diff_cpu_s": diff_cpu, "encode_cpu_s": enc_cpu, "apply_cpu_s": apply_cpu,
+            "diff_cpu_s": diff_cpu,
+            "encode_cpu_s": enc_cpu,
+            "apply_cpu_s": apply_cpu,
             "encode_gb_per_cpu_s": model_bytes / 1e9 / (diff_cpu + enc_cpu),
             "apply_gb_per_cpu_s": model_bytes / 1e9 / apply_cpu,
-            "transient_bytes": rss.extra, "snapshot_bytes": model_bytes,
+            "transient_bytes": rss.extra,
+            "snapshot_bytes": model_bytes,
             "train_step_s": _train_step_s(info, step),
         }
         rows.append(row)
-        print(f"step {step}: density {100 * diff.density:.3f} %, packed {row['packed_bits']:.2f} "
-              f"bits/changed (floor {ent['floor']:.2f}), diff {diff_s:.2f}s encode {enc_s:.2f}s "
-              f"apply {apply_s:.2f}s", file=sys.stderr, flush=True)
+        print(
+            f"step {step}: density {100 * diff.density:.3f} %, packed {row['packed_bits']:.2f} "
+            f"bits/changed (floor {ent['floor']:.2f}), diff {diff_s:.2f}s encode {enc_s:.2f}s "
+            f"apply {apply_s:.2f}s",
+            file=sys.stderr,
+            flush=True,
+        )
         snap.advance(diff)
         del diff, packed, coo
-    return {"model": args.model, "shape": SHAPES[args.model].__dict__, "params": info.get("params"),
-            "model_bytes": model_bytes, "lr": args.lr, "seed": args.seed, "batch": args.batch,
-            "seq": args.seq, "repeat": args.repeat, "source": info.get("source"),
-            "train_loss": info.get("loss"),
-            "train_step_s": info.get("step_s"), "torch_threads": torch.get_num_threads(),
-            "cpus": os.cpu_count(), "loadavg_start": load0, "loadavg_end": os.getloadavg(),
-            "rows": rows}
+    return {
+        "model": args.model,
+        "shape": SHAPES[args.model].__dict__,
+        "params": info.get("params"),
+        "model_bytes": model_bytes,
+        "lr": args.lr,
+        "seed": args.seed,
+        "batch": args.batch,
+        "seq": args.seq,
+        "repeat": args.repeat,
+        "source": info.get("source"),
+        "train_loss": info.get("loss"),
+        "train_step_s": info.get("step_s"),
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg(),
+        "rows": rows,
+    }
 
 
 def _mb(b: float) -> str:
@@ -290,14 +348,16 @@ def _mb(b: float) -> str:
 
 def markdown(res: dict) -> str:
     rows = res["rows"]
-    out = [f"### {res['model']}: {res['params'] / 1e6:.0f}M params, "
-           f"{res['model_bytes'] / 1e9:.3f} GB bf16, lr {res['lr']:g}, batch "
-           f"{res['batch']}x{res['seq']}",
-           "",
-           "| step | density | full MB | coo MB | packed MB | ref MB | coo b/chg | packed b/chg "
-           "(idx+val) | ref b/chg | floor b/chg (idx+val) | idx floor global | packed/floor "
-           "| packed/ref | full/packed | ±1 step |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"### {res['model']}: {res['params'] / 1e6:.0f}M params, "
+        f"{res['model_bytes'] / 1e9:.3f} GB bf16, lr {res['lr']:g}, batch "
+        f"{res['batch']}x{res['seq']}",
+        "",
+        "| step | density | full MB | coo MB | packed MB | ref MB | coo b/chg | packed b/chg "
+        "(idx+val) | ref b/chg | floor b/chg (idx+val) | idx floor global | packed/floor "
+        "| packed/ref | full/packed | ±1 step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         out.append(
             f"| {r['step']} | {100 * r['density']:.2f} % | {_mb(r['full_bytes'])} | "
@@ -306,14 +366,17 @@ def markdown(res: dict) -> str:
             f"{r['packed_val_bits']:.2f}) | {r['ref_bits']:.2f} | {r['floor']:.2f} "
             f"({r['idx_floor']:.2f}+{r['val_floor']:.2f}) | {r['idx_floor_global']:.2f} | "
             f"{r['packed_vs_floor']:.3f} | {r['packed_vs_ref']:.3f} | "
-            f"{r['full_bytes'] / r['packed_bytes']:.0f}x | {100 * r['frac_one_step']:.0f} % |")
-    out += ["",
-            "| step | diff s | ref diff s (numpy) | packed encode s | encode GB/s (diff+enc) | "
-            "diff GB/s | enc GB/s | "
-            "decode+apply s (stage+apply) | decode+apply GB/s | first update s | coo encode s | "
-            "coo decode+apply s | "
-            "ref encode s (1 thread) | encode GB/cpu-s | decode+apply GB/cpu-s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            f"{r['full_bytes'] / r['packed_bytes']:.0f}x | {100 * r['frac_one_step']:.0f} % |"
+        )
+    out += [
+        "",
+        "| step | diff s | ref diff s (numpy) | packed encode s | encode GB/s (diff+enc) | "
+        "diff GB/s | enc GB/s | "
+        "decode+apply s (stage+apply) | decode+apply GB/s | first update s | coo encode s | "
+        "coo decode+apply s | "
+        "ref encode s (1 thread) | encode GB/cpu-s | decode+apply GB/cpu-s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         coo_apply = "-" if r["coo_apply_s"] is None else f"{r['coo_apply_s']:.2f}"
         out.append(
@@ -324,38 +387,52 @@ def markdown(res: dict) -> str:
             f"{r['apply_gbps']:.2f} | {r['apply_first_s']:.2f} | {r['coo_encode_s']:.2f} | "
             f"{coo_apply} | "
             f"{r['ref_encode_s']:.2f} | {r['encode_gb_per_cpu_s']:.2f} | "
-            f"{r['apply_gb_per_cpu_s']:.2f} |")
-    out += ["",
-            "Trainer side (the diff runs on the training thread inside `send_weights`; encode and "
-            "upload run in the publisher's thread):",
-            "",
-            "| step | optimizer step s | diff s (blocking) | diff / step | diff+encode s | "
-            "(diff+encode) / step | snapshot MB (kept) | peak extra MB during diff+encode |",
-            "|---|---|---|---|---|---|---|---|"]
+            f"{r['apply_gb_per_cpu_s']:.2f} |"
+        )
+    out += [
+        "",
+        "Trainer side (the diff runs on the training thread inside `send_weights`; encode and "
+        "upload run in the publisher's thread):",
+        "",
+        "| step | optimizer step s | diff s (blocking) | diff / step | diff+encode s | "
+        "(diff+encode) / step | snapshot MB (kept) | peak extra MB during diff+encode |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         step_s, blocking, total = r.get("train_step_s"), r["diff_s"], r["diff_s"] + r["encode_s"]
         shares = [f"{100 * s / step_s:.1f} %" if step_s else "-" for s in (blocking, total)]
         out.append(
             f"| {r['step']} | {f'{step_s:.1f}' if step_s else '-'} | {blocking:.2f} | "
             f"{shares[0]} | {total:.2f} | {shares[1]} | {_mb(r['snapshot_bytes'])} | "
-            f"{_mb(r['transient_bytes'])} |")
-    med = {k: statistics.median(r[k] for r in rows)
-           for k in ("encode_gbps", "apply_gbps", "packed_vs_floor", "packed_bits",
-                     "encode_gb_per_cpu_s", "apply_gb_per_cpu_s")}
+            f"{_mb(r['transient_bytes'])} |"
+        )
+    med = {
+        k: statistics.median(r[k] for r in rows)
+        for k in (
+            "encode_gbps",
+            "apply_gbps",
+            "packed_vs_floor",
+            "packed_bits",
+            "encode_gb_per_cpu_s",
+            "apply_gb_per_cpu_s",
+        )
+    }
     best = {k: max(r[k] for r in rows) for k in ("encode_gbps", "apply_gbps")}
     steps = res.get("train_step_s") or []
-    out += ["",
-            f"median: encode {med['encode_gbps']:.2f} GB/s, decode+apply {med['apply_gbps']:.2f} "
-            f"GB/s (per CPU-second: {med['encode_gb_per_cpu_s']:.2f} / "
-            f"{med['apply_gb_per_cpu_s']:.2f}; best step: {best['encode_gbps']:.2f} / "
-            f"{best['apply_gbps']:.2f} GB/s), diff "
-            f"{statistics.median(r['ref_diff_s'] / r['diff_s'] for r in rows):.1f}x faster than "
-            f"the numpy reference, packed {med['packed_bits']:.2f} bits/changed, "
-            "packed/floor "
-            f"{med['packed_vs_floor']:.3f}; timings: best of {res['repeat']}; train step "
-            + (f"{statistics.median(steps):.1f} s (median of {len(steps)})" if steps else "n/a")
-            + f"; source: {res['source']}; threads {res['torch_threads']}/{res['cpus']} cpus; "
-            f"load average {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f}"]
+    out += [
+        "",
+        f"median: encode {med['encode_gbps']:.2f} GB/s, decode+apply {med['apply_gbps']:.2f} "
+        f"GB/s (per CPU-second: {med['encode_gb_per_cpu_s']:.2f} / "
+        f"{med['apply_gb_per_cpu_s']:.2f}; best step: {best['encode_gbps']:.2f} / "
+        f"{best['apply_gbps']:.2f} GB/s), diff "
+        f"{statistics.median(r['ref_diff_s'] / r['diff_s'] for r in rows):.1f}x faster than "
+        f"the numpy reference, packed {med['packed_bits']:.2f} bits/changed, "
+        "packed/floor "
+        f"{med['packed_vs_floor']:.3f}; timings: best of {res['repeat']}; train step "
+        + (f"{statistics.median(steps):.1f} s (median of {len(steps)})" if steps else "n/a")
+        + f"; source: {res['source']}; threads {res['torch_threads']}/{res['cpus']} cpus; "
+        f"load average {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f}",
+    ]
     return "\n".join(out)
 
 
@@ -367,13 +444,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--cache", default=None,
-                    help="folder for generated steps (train once, replay later); default: live")
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="time each operation this many times and keep the best (default 3)")
+    ap.add_argument(
+        "--cache",
+        default=None,
+        help="folder for generated steps (train once, replay later); default: live",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="time each operation this many times and keep the best (default 3)",
+    )
     ap.add_argument("--json", default=None, help="write results as JSON here")
-    ap.add_argument("--no-coo-apply", action="store_true",
-                    help="skip the second replica that times coo decode+apply (saves memory)")
+    ap.add_argument(
+        "--no-coo-apply",
+        action="store_true",
+        help="skip the second replica that times coo decode+apply (saves memory)",
+    )
     args = ap.parse_args(argv)
     res = run(args)
     report(markdown(res), res, args.json)

