@@ -24,6 +24,7 @@ from pathlib import Path
 
 from launcher.config import LocalConfig, SpacesConfig, check_name, env_kind
 from launcher.errors import LaunchError
+from trainer import defaults
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,12 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--local", action="store_true", help="run every part here (no Hub account)")
-    p.add_argument("--model", help="HF model id (Spaces: required); --local: 'tiny' (default)")
     p.add_argument(
-        "--env", help="sanity, wordle or an OpenEnv server URL (Spaces: wordle; --local: sanity)"
+        "--model", help=f"HF model id (Spaces: required); --local: {defaults.MODEL!r} (default)"
+    )
+    p.add_argument(
+        "--env",
+        help=f"sanity, wordle or an OpenEnv server URL (Spaces: {defaults.SPACES_ENV}; "
+        f"--local: {defaults.ENV})",
     )
     p.add_argument("--replicas", type=int, default=1, help="vLLM rollout replicas (default 1)")
-    p.add_argument("--steps", type=int, help="optimizer steps (Spaces: 200; --local: 12)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help=f"optimizer steps (Spaces: {defaults.SPACES_STEPS}; --local: {defaults.STEPS})",
+    )
     p.add_argument("--run-name", help="run id in the bucket (default run-<time> / local-<time>)")
     p.add_argument("--vllm-args", help="more vLLM flags, one string (e.g. '--max-model-len 4096')")
     p.add_argument("--workdir", type=Path, help="launcher files (default out/launch, out/local)")
@@ -68,11 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     local = p.add_argument_group("--local")
     local.add_argument(
-        "--model-dir", type=Path, default=Path("out/tiny-qwen3"), help="where 'tiny' is built"
+        "--model-dir",
+        type=Path,
+        default=Path(defaults.MODEL_DIR),
+        help=f"where {defaults.TINY!r} is built",
     )
-    local.add_argument("--vllm-port", type=int, default=8001, help="replica i: +10*i")
-    local.add_argument("--env-port", type=int, default=8002)
-    local.add_argument("--dashboard-port", type=int, default=7860)
+    local.add_argument("--vllm-port", type=int, default=defaults.VLLM_PORT, help="replica i: +10*i")
+    local.add_argument("--env-port", type=int, default=defaults.ENV_PORT)
+    local.add_argument("--dashboard-port", type=int, default=defaults.DASHBOARD_PORT)
     local.add_argument("--startup-timeout", type=float, default=900, help="seconds")
     local.add_argument("--seed", type=int, default=0)
     return p
@@ -87,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     api_key = os.environ.get("DELTASYNC_API_KEY") or None
-    env = args.env or ("sanity" if args.local else "wordle")
+    env = args.env or (defaults.ENV if args.local else defaults.SPACES_ENV)
     try:
         env_kind(env)
         check_name(args.run_name, "--run-name", 64)
@@ -103,14 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             from launcher.local import run_local
 
             cfg = LocalConfig(
-                model=args.model or "tiny",
+                model=args.model or defaults.MODEL,
                 model_dir=args.model_dir,
                 workdir=args.workdir or Path("out/local"),
                 bucket=Path(args.bucket) if args.bucket else None,
                 replicas=args.replicas,
                 env=env,
                 run_name=args.run_name or f"local-{stamp}",
-                steps=args.steps or 12,
+                steps=args.steps or defaults.STEPS,
                 vllm_port=args.vllm_port,
                 env_port=args.env_port,
                 dashboard_port=args.dashboard_port,
@@ -141,8 +153,10 @@ def _spaces(args, parser, env, stamp, api_key, trainer_args) -> int:
 
     if not args.model and not args.teardown:
         parser.error("--model is required for Spaces (a Hub id, e.g. Qwen/Qwen3-1.7B), or --local")
-    if args.model == "tiny":
-        parser.error("--model tiny exists only with --local; the Spaces need a Hub model id")
+    if args.model == defaults.TINY:
+        parser.error(
+            f"--model {defaults.TINY} exists only with --local; the Spaces need a Hub model id"
+        )
     cfg = SpacesConfig(
         model=args.model or "",
         name=args.name,
@@ -156,7 +170,7 @@ def _spaces(args, parser, env, stamp, api_key, trainer_args) -> int:
         private=args.private,
         run_name=args.run_name or f"run-{stamp}",
         from_template=args.from_template,
-        steps=args.steps or 200,
+        steps=args.steps or defaults.SPACES_STEPS,
         vllm_args=args.vllm_args if args.vllm_args is not None else SpacesConfig.vllm_args,
         train=not args.no_train,
         wait_timeout_s=args.wait_timeout * 60,

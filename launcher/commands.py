@@ -7,6 +7,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from trainer.defaults import TINY
+
 __all__ = [
     "dashboard_command",
     "prepare_command",
@@ -19,7 +21,7 @@ __all__ = [
 PY = sys.executable
 _PREPARE = (
     "import sys; from trainer.config import prepare_model; "
-    'print(prepare_model("tiny", sys.argv[1], seed=int(sys.argv[2])))'
+    f"print(prepare_model({TINY!r}, sys.argv[1], seed=int(sys.argv[2])))"
 )
 
 

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer import defaults
+
 __all__ = ["LocalConfig", "SpacesConfig", "check_name", "env_kind"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -41,11 +43,11 @@ class SpacesConfig:
     vllm_flavor: str = "a10g-small"
     env_flavor: str = "cpu-basic"
     dashboard_flavor: str = "cpu-basic"
-    env: str = "wordle"
+    env: str = defaults.SPACES_ENV
     private: bool = False
     run_name: str = "run"
     from_template: str | None = None
-    steps: int = 200
+    steps: int = defaults.SPACES_STEPS
     vllm_args: str = "--max-model-len 4096 --gpu-memory-utilization 0.85"
     train: bool = True
     wait_timeout_s: float = 1800.0
@@ -61,17 +63,17 @@ class SpacesConfig:
 class LocalConfig:
     """Every part as a process on this machine, a folder as the bucket, loopback only."""
 
-    model: str = "tiny"
-    model_dir: Path = Path("out/tiny-qwen3")
+    model: str = defaults.MODEL
+    model_dir: Path = Path(defaults.MODEL_DIR)
     workdir: Path = Path("out/local")
     bucket: Path | None = None  # default <workdir>/<run>/bucket
     replicas: int = 1
-    env: str = "sanity"
+    env: str = defaults.ENV
     run_name: str = "local"
-    steps: int = 12
-    vllm_port: int = 8001  # replica i listens on vllm_port + 10 * i
-    env_port: int = 8002
-    dashboard_port: int = 7860
+    steps: int = defaults.STEPS
+    vllm_port: int = defaults.VLLM_PORT  # replica i listens on vllm_port + 10 * i
+    env_port: int = defaults.ENV_PORT
+    dashboard_port: int = defaults.DASHBOARD_PORT
     vllm_args: str | None = None  # default: sized for the model (see local.py)
     startup_timeout_s: float = 900.0
     trainer_args: tuple[str, ...] = ()

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.defaults import TINY
+
 from .commands import (
     dashboard_command,
     prepare_command,
@@ -32,7 +34,6 @@ from .supervisor import ProcessSpec, Supervisor
 
 __all__ = ["LocalPlan", "local_plan", "run_local", "summarize"]
 
-TINY = "tiny"
 # Wordle's prompt with its tool schema is ~1300 tokens for the tiny model's byte-level tokenizer.
 TOOL_CONTEXT = 2048
 _TINY_VLLM_ARGS = "--max-model-len 512 --max-num-seqs 16 --disable-log-stats"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-__all__ = ["build_config", "prepare_model"]
+from .defaults import TINY
 
-TINY = "tiny"
+__all__ = ["build_config", "prepare_model"]
 
 
 def prepare_model(model: str, model_dir: str, *, seed: int = 0) -> str:

