@@ -29,6 +29,7 @@ from transformers import TrainerCallback
 from deltasync import AnchorPolicy, Publisher, PublisherConfig, open_store
 from deltasync.vllm_ext.client import ReplicaClient
 
+from . import defaults
 from .auth_proxy import AuthProxy
 from .envs import ENVIRONMENTS, environment_factory
 from .tasks import DEFAULT_CHARS, sanity_dataset, sanity_reward
@@ -45,17 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
-        default="tiny",
-        help="HF model id or folder; 'tiny' builds a random 2-layer Qwen3 offline",
+        default=defaults.MODEL,
+        help=f"HF model id or folder; {defaults.TINY!r} builds a random 2-layer Qwen3 offline",
     )
     p.add_argument(
         "--model-dir",
-        default="./out/tiny-qwen3",
+        default=defaults.MODEL_DIR,
         help="where the tiny model is written (and served from) (default %(default)s)",
     )
     p.add_argument(
         "--bucket",
-        default="./bucket",
+        default=defaults.BUCKET,
         help="folder, hf://buckets/NS/NAME, s3://... (default %(default)s)",
     )
     p.add_argument("--run-id", default=None, help="run name in the bucket (default: run-<time>)")
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-server-url",
         action="append",
         default=None,
-        help="rollout server; repeat for several replicas (default http://127.0.0.1:8001)"
+        help=f"rollout server; repeat for several replicas (default {defaults.VLLM_URL})"
         "; rollouts use the first, weights go to all",
     )
     p.add_argument(
@@ -74,13 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--env",
         choices=("sanity", *ENVIRONMENTS),
-        default="sanity",
+        default=defaults.ENV,
         help="sanity: reward = share of some tokens, no server; wordle / openenv: an "
         "OpenEnv server at --env-url (default %(default)s)",
     )
     p.add_argument(
         "--env-url",
-        default="http://127.0.0.1:8002",
+        default=defaults.ENV_URL,
         help="OpenEnv server for --env wordle/openenv (default %(default)s)",
     )
     p.add_argument(
@@ -96,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_CHARS,
         help="characters whose tokens the sanity reward counts (default a-z)",
     )
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default %(default)s)")
+    p.add_argument(
+        "--steps", type=int, default=defaults.STEPS, help="optimizer steps (default %(default)s)"
+    )
     p.add_argument(
         "--lr",
         type=float,
@@ -150,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         enable_cpu_training()
     model = prepare_model(args.model, args.model_dir, seed=args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    urls = args.vllm_server_url or ["http://127.0.0.1:8001"]
+    urls = args.vllm_server_url or [defaults.VLLM_URL]
     stack = contextlib.ExitStack()
     rollout_url = urls[0]
     if args.vllm_api_key:  # TRL sends no credentials: give it a loopback proxy that adds them
