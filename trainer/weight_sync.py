@@ -5,43 +5,37 @@ and `resume` are no-ops: `send_weights` only diffs the live weights (bitwise, ag
 published bf16 snapshot) and hands the version to the background. A sync thread then waits for
 the commit and, for every replica in parallel, stages the file while it serves, pauses it, applies
 and verifies, and resumes it. A replica counts as synced at version v only once it reports v.
+Then it writes the version's one metrics record (`deltasync.metrics.SyncRecord`): the publisher's
+fields, every replica's outcome, and the reward TRL logged at the step that produced the version
+(`trainer.rewards`); the publisher itself writes none (`PublisherConfig(write_metrics=False)`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
-from deltasync import Publisher, SyncRecord
+from deltasync import Publisher
 from deltasync.digest import tensor_digest
 from deltasync.errors import DeltaSyncError
 from deltasync.manifest import metrics_path
+from deltasync.metrics import ReplicaOutcome, SyncRecord
 from deltasync.snapshot import bf16_view
 from deltasync.vllm_ext.client import ReplicaClient
 
-__all__ = ["BucketWeightTransfer", "ReplicaSync"]
+from .rewards import StepRewards
+
+__all__ = ["BucketWeightTransfer"]
 
 log = logging.getLogger("trainer.weight_sync")
-
-
-@dataclass
-class ReplicaSync:
-    """One replica's outcome for one version (written into the metrics record)."""
-
-    ok: bool
-    attempts: int
-    stage_s: float = 0.0
-    pause_s: float = 0.0
-    total_s: float = 0.0
-    error: str | None = None
 
 
 @dataclass
@@ -63,6 +57,13 @@ class BucketWeightTransfer:
             replica is caught up from the bucket at the next version.
         verify_digests: after each sync also compare every served tensor's digest (replica RPC)
             with the trainer's bf16 view (a full hash pass on both sides; for tests and audits).
+        rewards: TRL's logged reward per step (`trainer.rewards.RewardCallback` fills it); each
+            version is tagged with the step current at `send_weights` and gets that step's
+            reward. None: records carry no step and no reward.
+        reward_wait_s: how long a finished sync waits for its step's reward to be logged.
+
+    Raises:
+        ValueError: the publisher writes metrics records itself (a record needs one writer).
     """
 
     def __init__(
@@ -73,19 +74,27 @@ class BucketWeightTransfer:
         bucket: str,
         attempts: int = 2,
         verify_digests: bool = False,
+        rewards: StepRewards | None = None,
+        reward_wait_s: float = 30.0,
     ):
+        if publisher.config.write_metrics:
+            raise ValueError(
+                "the publisher writes metrics records itself; build it with "
+                "PublisherConfig(write_metrics=False): BucketWeightTransfer writes each record "
+                "once, complete with replica outcomes and the reward"
+            )
         self.publisher = publisher
         self.replicas = replicas
         self.bucket = bucket
         self.attempts = attempts
         self.verify_digests = verify_digests
         self.state = _State()
-        self.reward_mean: float | None = None
-        self.step: int | None = None
-        self.records: list[dict] = []
+        self.rewards = rewards
+        self.reward_wait_s = reward_wait_s
+        self.records: list[SyncRecord] = []
         self._order = ThreadPoolExecutor(1, thread_name_prefix="deltasync-sync")
         self._fanout = ThreadPoolExecutor(max(1, len(replicas)), thread_name_prefix="replica")
-        self._pending: list[Future[dict]] = []
+        self._pending: list[Future[SyncRecord]] = []
         self._lock = threading.Lock()
 
     def init_weight_transfer(self) -> None:
@@ -105,23 +114,33 @@ class BucketWeightTransfer:
         """Nothing to do: each replica is paused only around its own apply."""
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Diff now (TRL's tensors are live views), upload and sync replicas in the background."""
+        """Diff now (TRL's tensors are live views), upload and sync replicas in the background.
+
+        The version is tagged with the trainer's current step: TRL calls this from `on_step_end`
+        of that step (step 0: the initial sync at train begin).
+        """
         started = time.perf_counter()
+        step = self.rewards.current_step() if self.rewards is not None else None
         named = _materialise(iterator)
         future = self.publisher.publish(named)
         expected = (
             {n: tensor_digest(bf16_view(t)) for n, t in named} if self.verify_digests else None
         )
+        cold = not self.state.synced  # rollouts begin once a replica serves a version
+        # A cold sync blocks this thread, which logs the step's reward only after we return.
+        wait_s = 0.0 if cold else self.reward_wait_s
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
-            sync = self._order.submit(self._finish, future, started, expected)
+            sync = self._order.submit(self._finish, future, started, expected, step, wait_s)
             sync.add_done_callback(_log_failure)
             self._pending.append(sync)
-        if not self.state.synced:  # cold start: rollouts begin once a replica serves a version
+        if cold:
             sync.result(timeout=1800)
 
     def destroy(self) -> None:
         """Let queued syncs finish (bounded), then stop the publisher."""
+        if self.rewards is not None:
+            self.rewards.end()  # no more logs: pending syncs stop waiting for rewards
         with self._lock:
             pending = list(self._pending)
         futures_wait(pending, timeout=600)  # never raises; failures were logged by _log_failure
@@ -129,15 +148,20 @@ class BucketWeightTransfer:
         self._order.shutdown(wait=True)
         self._fanout.shutdown(wait=True)
 
-    def wait(self, timeout: float = 600) -> list[dict]:
+    def wait(self, timeout: float = 600) -> list[SyncRecord]:
         """Block until every sync handed over so far has finished; returns their records."""
         with self._lock:
             pending = list(self._pending)
         return [f.result(timeout=timeout) for f in pending]
 
     def _finish(
-        self, future: Future[SyncRecord], started: float, expected: dict[str, str] | None
-    ) -> dict:
+        self,
+        future: Future[SyncRecord],
+        started: float,
+        expected: dict[str, str] | None,
+        step: int | None,
+        reward_wait_s: float,
+    ) -> SyncRecord:
         record = future.result()
         for line in record.log_lines(self.bucket):
             log.info("%s", line)
@@ -145,7 +169,7 @@ class BucketWeightTransfer:
         outcomes = self._fanout.map(
             lambda name: self._sync_one(name, record.version, path, expected), self.replicas
         )
-        results = dict(zip(self.replicas, outcomes, strict=True))
+        results = {r.name: r for r in outcomes}
         paused = max((r.pause_s for r in results.values()), default=0.0)
         total = time.perf_counter() - started
         log.info(
@@ -156,19 +180,17 @@ class BucketWeightTransfer:
             if all(r.ok for r in results.values())
             else f"; lagging: {sorted(n for n, r in results.items() if not r.ok)}",
         )
-        entry = asdict(record) | {
-            "replicas": {n: asdict(r) for n, r in results.items()},
-            "sync_s": total,
-            "reward_mean": self.reward_mean,
-            "step": self.step,
-        }
-        self._write_metrics(record, entry)
-        self.records.append(entry)
-        return entry
+        reward = self.rewards.reward(step, reward_wait_s) if self.rewards is not None else None
+        complete = record.with_sync(
+            tuple(results.values()), sync_s=total, step=step, reward_mean=reward
+        )
+        self._write_metrics(complete)
+        self.records.append(complete)
+        return complete
 
     def _sync_one(
         self, name: str, version: int, path: str | None, expected: dict[str, str] | None
-    ) -> ReplicaSync:
+    ) -> ReplicaOutcome:
         client = self.replicas[name]
         started = time.perf_counter()
         error = None
@@ -193,8 +215,13 @@ class BucketWeightTransfer:
                 continue
             self.state.synced[name] = version
             self.state.lagging.discard(name)
-            return ReplicaSync(
-                True, attempt, timings["stage_s"], timings["pause_s"], time.perf_counter() - started
+            return ReplicaOutcome(
+                name,
+                True,
+                attempt,
+                _seconds(timings.get("stage_s")),
+                _seconds(timings.get("pause_s")),
+                time.perf_counter() - started,
             )
         self.state.lagging.add(name)
         log.error(
@@ -202,22 +229,29 @@ class BucketWeightTransfer:
             name,
             self.state.synced.get(name),
         )
-        return ReplicaSync(False, self.attempts, total_s=time.perf_counter() - started, error=error)
+        return ReplicaOutcome(
+            name, False, self.attempts, total_s=time.perf_counter() - started, error=error
+        )
 
-    def _write_metrics(self, record: SyncRecord, entry: dict) -> None:
-        """Extend the publisher's metrics record with replica timings and the reward."""
+    def _write_metrics(self, record: SyncRecord) -> None:
+        """The version's one metrics record, written once its replicas are done."""
         try:
-            self.publisher.store.put(
-                metrics_path(record.run_id, record.version), json.dumps(entry).encode()
-            )
+            self.publisher.store.put(metrics_path(record.run_id, record.version), record.to_json())
         except DeltaSyncError as exc:
-            log.warning("metrics record for version %d not updated: %s", record.version, exc)
+            log.warning("metrics record for version %d not written: %s", record.version, exc)
 
 
-def _log_failure(sync: Future[dict]) -> None:
+def _log_failure(sync: Future[SyncRecord]) -> None:
     """A sync that raised loses its replica outcomes: say so when it happens."""
     if not sync.cancelled() and sync.exception() is not None:
         log.error("weight sync failed", exc_info=sync.exception())
+
+
+def _seconds(value: object) -> float:
+    """A replica's reported duration; anything but a finite number >= 0 counts as 0."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf:
+        return float(value)
+    return 0.0
 
 
 def _check_digests(served: dict[str, str], expected: dict[str, str]) -> None:
