@@ -32,6 +32,7 @@ from deltasync.vllm_ext.client import ReplicaClient
 from . import defaults
 from .auth_proxy import AuthProxy
 from .envs import ENVIRONMENTS, environment_factory
+from .rewards import RewardCallback, StepRewards
 from .tasks import DEFAULT_CHARS, sanity_dataset, sanity_reward
 from .weight_sync import BucketWeightTransfer
 
@@ -168,17 +169,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             policy=AnchorPolicy(
                 interval=args.anchor_interval, max_delta_fraction=args.anchor_fraction
             ),
+            write_metrics=False,  # the transfer writes each record once, replicas and reward in
         ),
     )
     replicas = {f"vllm-{i}": ReplicaClient(u, args.vllm_api_key) for i, u in enumerate(urls)}
+    rewards = StepRewards(step=lambda: trainer.state.global_step)  # read during train() only
     transfer = BucketWeightTransfer(
-        publisher, replicas, bucket=args.bucket, verify_digests=args.verify_replicas
+        publisher,
+        replicas,
+        bucket=args.bucket,
+        verify_digests=args.verify_replicas,
+        rewards=rewards,
     )
     task = _task(args, tokenizer)
     trainer = AsyncGRPOTrainer(
         model=model, args=config, processing_class=tokenizer, weight_transfer=transfer, **task
     )
-    trainer.add_callback(_RewardToMetrics(transfer))
+    trainer.add_callback(RewardCallback(rewards))
     trainer.add_callback(_DrainRollouts(trainer))
     log.info("run %s: %d steps, bucket %s, replicas %s", run_id, args.steps, args.bucket, urls)
     with stack:
@@ -234,18 +241,6 @@ class _DrainRollouts(TrainerCallback):
                     return
 
         threading.Thread(target=drain, name="drain-rollouts", daemon=True).start()
-
-
-class _RewardToMetrics(TrainerCallback):
-    """Copies TRL's logged reward into the next metrics record (for the dashboard)."""
-
-    def __init__(self, transfer: BucketWeightTransfer):
-        self.transfer = transfer
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "reward" in logs:
-            self.transfer.reward_mean = float(logs["reward"])
-            self.transfer.step = state.global_step
 
 
 if __name__ == "__main__":
