@@ -168,16 +168,18 @@ def run_local(cfg: LocalConfig, echo: Callable[[str], None] = print) -> int:
 
 def summarize(plan: LocalPlan, cfg: LocalConfig, elapsed_s: float, code: int) -> list[str]:
     """What happened, read back from the bucket's metrics records, and where things are."""
+    from deltasync.metrics import SyncRecord  # torch-free; imported when a run has ended
+
     records = []
     for path in sorted((plan.bucket / "runs" / cfg.run_name / "metrics").glob("*.json")):
         try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
+            records.append(SyncRecord.from_json(path.read_bytes(), path=str(path)))
+        except (OSError, ValueError):  # FormatError is a ValueError
             continue
     verified: dict[str, int] = {}
     for record in records:
-        for name, result in (record.get("replicas") or {}).items():
-            verified[name] = verified.get(name, 0) + bool(result.get("ok"))
+        for outcome in record.replicas:
+            verified[outcome.name] = verified.get(outcome.name, 0) + outcome.ok
     per_replica = ", ".join(f"{n}: {k}/{len(records)}" for n, k in sorted(verified.items()))
     status = "done" if code == 0 else f"trainer failed (status {code})"
     view = shown(dashboard_command(str(plan.bucket), cfg.dashboard_port))

@@ -18,7 +18,7 @@ from deltasync.errors import DeltaSyncError, FormatError, StoreError
 from deltasync.manifest import MANIFEST_PATH, ChainEntry, Manifest
 from deltasync.store import MissingFile, Store
 
-from .records import HeaderInfo, MetricsRecord, read_header
+from .records import HeaderInfo, SyncRecord, read_header
 
 __all__ = ["BucketWatcher", "FileRow", "Health", "Snapshot", "WatcherConfig"]
 
@@ -84,7 +84,7 @@ class Snapshot:
     polled_at: float
     health: Health | None = None
     files: tuple[FileRow, ...] = ()
-    records: tuple[MetricsRecord, ...] = ()
+    records: tuple[SyncRecord, ...] = ()
     problems: tuple[str, ...] = ()
 
 
@@ -94,7 +94,7 @@ class _Caches:
     manifest: Manifest | None = None
     run_id: str | None = None
     headers: dict[str, HeaderInfo | FormatError] = field(default_factory=dict)
-    metrics: dict[str, MetricsRecord | FormatError] = field(default_factory=dict)
+    metrics: dict[str, SyncRecord | FormatError] = field(default_factory=dict)
 
 
 class BucketWatcher:
@@ -223,7 +223,7 @@ class BucketWatcher:
 
     def _read_metrics(
         self, run_id: str, deadline: float, reads: list[int], problems: list[str]
-    ) -> list[MetricsRecord]:
+    ) -> list[SyncRecord]:
         folder = f"runs/{run_id}/metrics"
         try:
             listed = self.store.list(folder)
@@ -241,7 +241,7 @@ class BucketWatcher:
                 continue
             reads[0] -= 1
             try:
-                self._cache.metrics[path] = MetricsRecord.from_json(self.store.get(path), path=path)
+                self._cache.metrics[path] = SyncRecord.from_json(self.store.get(path), path=path)
             except MissingFile:
                 continue
             except FormatError as exc:
@@ -255,7 +255,14 @@ class BucketWatcher:
                 problems.append(f"corrupt metrics record: {value}")
             elif value is not None:
                 records.append(value)
-                problems.extend(value.notes)
+        if records:  # replicas lagging at the newest version (older lags are history)
+            newest = records[-1]
+            problems.extend(
+                f"version {newest.version}: replica {r.name} did not sync after {r.attempts} "
+                f"attempt(s): {r.error}"
+                for r in newest.replicas
+                if not r.ok
+            )
         return records
 
 

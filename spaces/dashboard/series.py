@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from .data import FileRow, Snapshot
-from .records import MetricsRecord
+from .records import SyncRecord
 
 __all__ = [
     "TABLE_COLUMNS",
@@ -43,35 +43,35 @@ def version_series(snap: Snapshot) -> list[dict[str, Any]]:
 def timing_series(snap: Snapshot) -> tuple[list[dict[str, Any]], bool]:
     """(rows of version/series/seconds, whether any replica reported).
 
-    Replica timings (stage, pause, apply, ...) come from a `replicas` key in the metrics; without
-    it the trainer's encode and upload seconds stand in.
+    Each replica that synced contributes its stage, pause and total seconds (the records'
+    `replicas`); without any, the trainer's encode and upload seconds stand in.
     """
     rows: list[dict[str, Any]] = []
     for rec in snap.records:
         for rep in rec.replicas:
-            rows.extend(
-                {"version": rec.version, "series": f"{rep.name} {field}", "seconds": s}
-                for field, s in rep.seconds
-            )
+            if rep.ok:
+                rows.extend(
+                    {"version": rec.version, "series": f"{rep.name} {name}", "seconds": s}
+                    for name, s in (
+                        ("stage", rep.stage_s),
+                        ("pause", rep.pause_s),
+                        ("total", rep.total_s),
+                    )
+                )
     if rows:
         return rows, True
     for rec in snap.records:
         for name, s in (("trainer encode", rec.encode_s), ("trainer upload", rec.upload_s)):
-            if s is not None:
-                rows.append({"version": rec.version, "series": name, "seconds": s})
+            rows.append({"version": rec.version, "series": name, "seconds": s})
     return rows, False
 
 
 def reward_series(snap: Snapshot) -> list[dict[str, Any]]:
-    """Reward per step (the record's `step`, else its version) where the metrics carry one."""
+    """The reward TRL logged at the step that produced each version, where one was logged."""
     return [
-        {
-            "step": rec.step if rec.step is not None else rec.version,
-            "version": rec.version,
-            "reward": rec.reward,
-        }
+        {"step": rec.step, "version": rec.version, "reward": rec.reward_mean}
         for rec in snap.records
-        if rec.reward is not None
+        if rec.reward_mean is not None and rec.step is not None
     ]
 
 
@@ -153,14 +153,14 @@ def _empty_row(version: int) -> dict[str, Any]:
     }
 
 
-def _from_record(rec: MetricsRecord) -> dict[str, Any]:
+def _from_record(rec: SyncRecord) -> dict[str, Any]:
     row = _empty_row(rec.version)
     row["source"] = "metrics"
     if rec.has_delta:
         row["sparsity"] = rec.sparsity
         row["changed_elements"] = rec.changed_elements
         row["delta_bytes"] = rec.delta_bytes
-    if "anchor" in rec.kind.split("+"):
+    if rec.has_anchor:
         row["anchor_bytes"] = rec.anchor_bytes
     row["total_elements"] = rec.total_elements or None
     row["full_bytes"] = rec.full_bytes or None

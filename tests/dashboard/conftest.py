@@ -13,7 +13,8 @@ import torch
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no network calls from the tests
 
 from deltasync import AnchorPolicy, Publisher, PublisherConfig, SyncRecord
-from deltasync.manifest import MANIFEST_PATH, Manifest
+from deltasync.manifest import MANIFEST_PATH, Manifest, metrics_path
+from deltasync.metrics import ReplicaOutcome
 from deltasync.store import LocalStore
 
 PUBLISH_TIMEOUT_S = 60.0
@@ -31,7 +32,7 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(0)
         self.publisher = Publisher(
             store,
-            PublisherConfig(run_id=run_id, policy=AnchorPolicy(interval=interval), backoff_s=0.001),
+            PublisherConfig(run_id=run_id, policy=AnchorPolicy(interval=interval)),
         )
         self.store = store
         self.records: list[SyncRecord] = []
@@ -54,6 +55,22 @@ class Trainer:
         self.publisher.flush(PUBLISH_TIMEOUT_S)
         self.records.extend(new)
         return new
+
+    def complete(
+        self, version: int, replicas: dict[str, tuple[float, float]], reward: float | None
+    ) -> SyncRecord:
+        """Rewrite a version's record as the trainer's weight transfer writes it: replicas'
+        (stage_s, pause_s), the step that produced the version (version - 1), its reward."""
+        path = metrics_path(self.publisher.config.run_id, version)
+        outcomes = tuple(
+            ReplicaOutcome(name, True, 1, stage, pause, stage + pause + 0.01)
+            for name, (stage, pause) in replicas.items()
+        )
+        record = SyncRecord.from_json(self.store.get(path)).with_sync(
+            outcomes, sync_s=0.5, step=version - 1, reward_mean=reward
+        )
+        self.store.put(path, record.to_json())
+        return record
 
     def manifest(self) -> Manifest:
         return Manifest.from_json(self.store.get(MANIFEST_PATH))

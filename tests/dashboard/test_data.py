@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 
-from deltasync.errors import FormatError, StoreError
+from deltasync.errors import StoreError
 from deltasync.manifest import MANIFEST_PATH, metrics_path
+from deltasync.metrics import ReplicaOutcome, SyncRecord
 from deltasync.store import LocalStore
 from spaces.dashboard import charts
 from spaces.dashboard.data import BucketWatcher, WatcherConfig
-from spaces.dashboard.records import MetricsRecord
 from spaces.dashboard.series import (
     files_table,
     health_markdown,
@@ -239,32 +238,16 @@ def test_reads_per_refresh_are_bounded(trainer):
     assert all(f.status == "ok" for f in snap.files) and len(snap.records) == 6
 
 
-def test_metrics_extras_replicas_and_reward():
-    base = {"version": 3, "kind": "delta", "sparsity": 0.99, "encode_s": 0.1, "upload_s": 0.2}
-    raw = base | {
-        "replicas": {"r0": {"stage_s": 0.5, "pause_s": 0.02, "apply_s": 0.01, "host": "x"}},
-        "reward_mean": 0.25,
-        "step": 30,
-        "future_field": [1, 2],
-    }
-    rec = MetricsRecord.from_json(json.dumps(raw).encode(), path="m.json")
-    assert rec.reward == 0.25 and rec.step == 30 and rec.notes == ()
-    assert rec.replicas[0].name == "r0"
-    assert dict(rec.replicas[0].seconds) == {"stage": 0.5, "pause": 0.02, "apply": 0.01}
-
-    listed = base | {"replicas": [{"name": "r1", "pause_s": 0.1}], "reward_mean": math.nan}
-    rec = MetricsRecord.from_json(json.dumps(listed).encode(), path="m.json")
-    assert rec.replicas[0].name == "r1" and rec.reward is None
-    assert any("reward_mean" in n for n in rec.notes)
-
-    bad = base | {"replicas": "r0"}
-    rec = MetricsRecord.from_json(json.dumps(bad).encode(), path="m.json")
-    assert rec.replicas == () and any("replicas" in n for n in rec.notes)
-
-    with pytest.raises(FormatError, match="version"):
-        MetricsRecord.from_json(b'{"kind": "delta"}', path="m.json")
-    with pytest.raises(FormatError, match="not a number"):
-        MetricsRecord.from_json(json.dumps(base | {"sparsity": "x"}).encode(), path="m.json")
+def test_records_are_read_with_exact_keys(trainer):
+    """A record with a key the schema does not have is corrupt, not half-read."""
+    trainer.publish(3)
+    path = metrics_path("run-a", 2)
+    raw = json.loads(trainer.store.get(path)) | {"reward": 0.5}
+    trainer.store.put(path, json.dumps(raw).encode())
+    snap = watch(trainer.store).snapshot()
+    assert [r.version for r in snap.records] == [1, 3]
+    problem = next(p for p in snap.problems if "corrupt metrics record" in p)
+    assert "unknown keys ['reward']" in problem and "00000002.json" in problem
 
 
 def test_timings_from_replicas_or_trainer(trainer):
@@ -275,18 +258,33 @@ def test_timings_from_replicas_or_trainer(trainer):
     title = charts.timing_chart(rows, from_replicas)["title"]
     assert "replicas have not reported" in title
 
-    path = metrics_path("run-a", 3)
-    raw = json.loads(trainer.store.get(path))
-    raw["replicas"] = {"vllm-0": {"stage_s": 0.4, "pause_s": 0.03}}
-    raw["reward_mean"] = 0.5
-    trainer.store.put(path, json.dumps(raw).encode())
+    trainer.complete(3, {"vllm-0": (0.4, 0.03)}, reward=0.5)
     data = series_json(watch(trainer.store).snapshot())  # records are immutable: a new reader
     assert data["timings_from_replicas"] is True
-    assert {(r["series"], r["seconds"]) for r in data["timings"]} == {
-        ("vllm-0 stage", 0.4),
-        ("vllm-0 pause", 0.03),
-    }
-    assert data["reward"] == [{"step": 3, "version": 3, "reward": 0.5}]
+    seconds = {r["series"]: r["seconds"] for r in data["timings"]}
+    assert seconds == pytest.approx(
+        {"vllm-0 stage": 0.4, "vllm-0 pause": 0.03, "vllm-0 total": 0.44}
+    )
+    assert data["reward"] == [{"step": 2, "version": 3, "reward": 0.5}]
+
+
+def test_a_lagging_replica_at_the_newest_version_is_a_problem(trainer):
+    trainer.publish(2)
+    path = metrics_path("run-a", 2)
+    record = SyncRecord.from_json(trainer.store.get(path)).with_sync(
+        (ReplicaOutcome("vllm-1", False, 2, total_s=4.0, error="connection refused"),),
+        sync_s=4.0,
+        step=1,
+        reward_mean=None,
+    )
+    trainer.store.put(path, record.to_json())
+    snap = watch(trainer.store).snapshot()
+    assert (
+        "version 2: replica vllm-1 did not sync after 2 attempt(s): connection refused"
+        in snap.problems
+    )
+    _, from_replicas = timing_series(snap)  # a failed sync has no stage or pause to chart
+    assert not from_replicas
 
 
 def test_payload_chart_is_log_scale_with_anchors_marked(trainer):

@@ -7,7 +7,6 @@ Needs Debian's `chromium` (apt-get install -y chromium). To refresh the README p
 from __future__ import annotations
 
 import html
-import json
 import os
 import re
 import shutil
@@ -16,8 +15,6 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-
-from deltasync.manifest import metrics_path
 
 # Gradio 6.31's own per-event analytics table (queueing.py) trips pandas 3 deprecations.
 pytestmark = [
@@ -61,21 +58,13 @@ def run_browser(args: list[str], profile: Path) -> subprocess.CompletedProcess[s
 
 
 def add_replica_timings_and_reward(trainer, versions: range) -> None:
-    """What a full trainer adds to each metrics record: per-replica seconds and the reward."""
+    """What a full trainer writes in each metrics record: replica outcomes and the reward."""
     for v in versions:
-        path = metrics_path("run-a", v)
-        record = json.loads(trainer.store.get(path))
-        record["replicas"] = {
-            f"vllm-{r}": {
-                "stage_s": 0.30 + 0.02 * ((v * (r + 3)) % 5),
-                "pause_s": 0.02 + 0.004 * ((v + r) % 3),
-                "apply_s": 0.01 + 0.003 * ((v * (r + 1)) % 4),
-            }
+        replicas = {
+            f"vllm-{r}": (0.30 + 0.02 * ((v * (r + 3)) % 5), 0.02 + 0.004 * ((v + r) % 3))
             for r in range(2)
         }
-        record["reward_mean"] = round(0.1 + 0.6 * (1 - 0.85**v), 4)
-        record["step"] = 4 * v
-        trainer.store.put(path, json.dumps(record).encode())
+        trainer.complete(v, replicas, None if v == 1 else round(0.1 + 0.6 * (1 - 0.85**v), 4))
 
 
 def test_page_shows_charts_with_data(trainer, launch, tmp_path):
@@ -93,7 +82,7 @@ def test_page_shows_charts_with_data(trainer, launch, tmp_path):
     assert any(re.fullmatch(r"version: 5; .*file: anchor; bytes: \d+", lab) for lab in labels)
     assert any(re.fullmatch(r"version: 12; .*file: delta; bytes: \d+", lab) for lab in labels)
     assert any("series: vllm-1 pause" in lab for lab in labels)
-    assert any(re.fullmatch(r"step: 48; .*version: 12; reward: [\d.]+", lab) for lab in labels)
+    assert any(re.fullmatch(r"step: 11; .*version: 12; reward: [\d.]+", lab) for lab in labels)
     assert "replay cost for a new replica" in dom
     assert "replicas have not reported" not in dom
 

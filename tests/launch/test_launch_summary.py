@@ -1,0 +1,49 @@
+"""The local run's closing summary, read back from the bucket's typed metrics records."""
+
+from __future__ import annotations
+
+from deltasync.manifest import metrics_path
+from deltasync.metrics import ReplicaOutcome, SyncRecord
+from launcher.config import LocalConfig
+from launcher.local import local_plan, summarize
+
+
+def _record(version: int, *outcomes: ReplicaOutcome) -> SyncRecord:
+    record = SyncRecord(
+        run_id="r",
+        version=version,
+        kind="anchor" if version == 1 else "delta",
+        encoding="packed",
+        delta_path=None if version == 1 else f"runs/r/deltas/{version:08d}-0123456789ab.x",
+        anchor_path=f"runs/r/anchors/{version:08d}-0123456789ab.x" if version == 1 else None,
+        delta_bytes=10,
+        anchor_bytes=100,
+        full_bytes=100,
+        changed_elements=5,
+        total_elements=50,
+        sparsity=0.9,
+        diff_s=0.0,
+        encode_s=0.0,
+        upload_s=0.0,
+        queued_s=0.0,
+        committed_at=0.0,
+    )
+    return record.with_sync(outcomes, sync_s=0.1, step=version - 1, reward_mean=None)
+
+
+def test_summary_counts_versions_each_replica_verified(tmp_path):
+    cfg = LocalConfig(workdir=tmp_path, run_name="r")
+    plan = local_plan(cfg)
+    ok0, ok1 = ReplicaOutcome("vllm-0", True, 1), ReplicaOutcome("vllm-1", True, 1)
+    lagging = ReplicaOutcome("vllm-1", False, 2, error="timed out")
+    for record in (_record(1, ok0, ok1), _record(2, ok0, lagging), _record(3, ok0, ok1)):
+        path = plan.bucket / metrics_path("r", record.version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(record.to_json())
+    (plan.bucket / metrics_path("r", 4)).write_text('{"version": 4}')  # corrupt: not counted
+    lines = summarize(plan, cfg, 90.0, 0)
+    assert lines[0] == (
+        "done in 1.5 min: run r, 3 versions published, verified by the replicas "
+        "(vllm-0: 3/3, vllm-1: 2/3)"
+    )
+    assert lines[1].startswith(f"bucket:    {plan.bucket}")
