@@ -1,4 +1,14 @@
-"""deltasync: bf16 weight deltas for async RL, published through an object-storage bucket."""
+"""deltasync: bf16 weight deltas for async RL, published through an object-storage bucket.
+
+Importing the package loads no torch: the bucket side (errors, stores, manifest, file headers)
+is torch-free, and the tensor side (`Publisher`, `Replica`, `Bf16Snapshot`, ...) loads on first
+use, so the dashboard and `python -m deltasync inspect` run without torch installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     ChainError,
@@ -8,25 +18,32 @@ from .errors import (
     PublishError,
     StoreError,
 )
+from .manifest import Manifest, read_manifest
 from .policy import AnchorPolicy
-from .publisher import Publisher, PublisherConfig, SyncRecord
-from .replica import Replica, StagedUpdate, read_manifest
-from .snapshot import Bf16Snapshot, Diff, TensorChange
-from .store import Store, open_store
+from .store import RetryPolicy, Store, open_store
+
+if TYPE_CHECKING:
+    from .changes import Diff, TensorChange
+    from .publisher import Publisher, PublisherConfig, SyncRecord
+    from .replica import DictSink, Replica, Sink
+    from .snapshot import Bf16Snapshot
 
 __all__ = [
     "AnchorPolicy",
     "Bf16Snapshot",
     "ChainError",
     "DeltaSyncError",
+    "DictSink",
     "Diff",
     "DigestMismatch",
     "FormatError",
+    "Manifest",
     "PublishError",
     "Publisher",
     "PublisherConfig",
     "Replica",
-    "StagedUpdate",
+    "RetryPolicy",
+    "Sink",
     "Store",
     "StoreError",
     "SyncRecord",
@@ -34,3 +51,21 @@ __all__ = [
     "open_store",
     "read_manifest",
 ]
+
+_TENSOR_SIDE = {
+    "Bf16Snapshot": "snapshot",
+    "DictSink": "replica",
+    "Diff": "changes",
+    "Publisher": "publisher",
+    "PublisherConfig": "publisher",
+    "Replica": "replica",
+    "Sink": "replica",
+    "SyncRecord": "publisher",
+    "TensorChange": "changes",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TENSOR_SIDE:
+        return getattr(importlib.import_module(f".{_TENSOR_SIDE[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

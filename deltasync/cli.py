@@ -18,9 +18,9 @@ from pathlib import Path
 import fsspec
 from tqdm import tqdm
 
-from .codec import encode_anchor, read_metadata
+from .codec import read_metadata
 from .errors import DeltaSyncError, FormatError
-from .replica import Replica, fetch_entry, read_manifest
+from .manifest import fetch_entry, read_manifest
 from .store import open_store
 
 __all__ = ["main"]
@@ -66,6 +66,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     """Replay every retained file from the oldest anchor; check each anchor against the replay."""
+    from .replica import Replica
+
     store = open_store(args.bucket)
     manifest = read_manifest(store)
     if manifest is None:
@@ -81,7 +83,7 @@ def _verify(args: argparse.Namespace) -> int:
         if delta.version in anchors:
             data = fetch_entry(store, anchors[delta.version])
             meta, _ = read_metadata(lambda a, b, d=data: d[a:b], len(data))
-            replica.verify(meta)
+            replica.check_digests(meta)
     print(
         f"ok: run {manifest.run_id}, versions {oldest.version}..{manifest.latest_version}, "
         f"{len(manifest.anchors)} anchors and {len(manifest.deltas)} deltas verified"
@@ -90,17 +92,15 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from .codec import encode_anchor
+    from .replica import Replica
+
     store = open_store(args.bucket)
     manifest = read_manifest(store)
     if manifest is None:
         raise FormatError("bucket has no manifest (nothing published yet)", path=args.bucket)
     version = manifest.latest_version if args.version is None else args.version
-    anchors = [a for a in manifest.anchors if a.version <= version]
-    if not anchors or version > manifest.latest_version:
-        available = f"{min(a.version for a in manifest.anchors)}..{manifest.latest_version}"
-        raise FormatError(f"version {version} is not in the bucket (retained: {available})")
-    anchor = max(anchors, key=lambda a: a.version)
-    plan = [anchor, *(d for d in manifest.deltas if anchor.version < d.version <= version)]
+    plan = manifest.plan(None, None, version)
     replica = Replica()
     for entry in tqdm(plan, desc="replay", unit="file", disable=args.quiet):
         replica.update(fetch_entry(store, entry), path=entry.path)
@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (DeltaSyncError, OSError) as exc:
+    except (DeltaSyncError, OSError) as exc:  # ChainError too: e.g. a version not retained
         if args.debug:
             raise
         print(f"error: {exc}", file=sys.stderr)

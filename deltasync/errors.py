@@ -47,7 +47,7 @@ class DigestMismatch(DeltaSyncError):
     def __init__(self, tensor: str, expected: str, found: str, *, path: str | None = None):
         super().__init__(
             f"digest mismatch for tensor {tensor!r}{f' from {path}' if path else ''}: "
-            f"expected {expected}, found {found}; the update was rolled back"
+            f"expected {expected}, found {found}; nothing was applied"
         )
         self.tensor = tensor
         self.expected = expected

@@ -7,11 +7,20 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from .codec.metadata import PROTOCOL, validate_run_id
+from .codec.metadata import PROTOCOL, check_protocol, validate_run_id
+from .digest import bytes_digest
 from .errors import ChainError, FormatError, StoreError
-from .store import validate_path
+from .store import MissingFile, Store, validate_path
 
-__all__ = ["MANIFEST_PATH", "ChainEntry", "Manifest", "file_path", "metrics_path"]
+__all__ = [
+    "MANIFEST_PATH",
+    "ChainEntry",
+    "Manifest",
+    "fetch_entry",
+    "file_path",
+    "metrics_path",
+    "read_manifest",
+]
 
 MANIFEST_PATH = "manifest.json"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
@@ -107,31 +116,59 @@ class Manifest:
     def deltas_after(self, version: int) -> list[ChainEntry]:
         return [d for d in self.deltas if d.version > version]
 
-    def catch_up_plan(self, run_id: str | None, version: int | None) -> list[ChainEntry]:
-        """Files a reader at (`run_id`, `version`) applies, in order, to reach `latest_version`.
+    def plan(
+        self, run_id: str | None, version: int | None, target: int | None = None
+    ) -> list[ChainEntry]:
+        """Files a reader at (`run_id`, `version`) applies, in order, to reach `target`.
 
-        Replays deltas when the reader's version is still covered by the chain and that is
-        cheaper than the latest anchor plus its deltas; otherwise starts from the latest anchor.
+        The one chain planner (replica, vLLM engine, CLI). `target` defaults to the latest
+        version; a notification can trail the manifest, so it may be older. Of the routes the
+        bucket still holds - the reader's own version replayed by deltas, or the newest anchor at
+        or before `target` plus the deltas after it - the one with fewer bytes wins.
 
         Raises:
-            ChainError: the reader claims a version of this run past `latest_version`.
+            ChainError: the bucket cannot produce `target` for this reader: not written yet,
+                pruned by retention, or the reader is already past it.
         """
-        if run_id == self.run_id and version is not None:
-            if version > self.latest_version:
-                raise ChainError(
-                    f"reader is at version {version}, past the bucket's {self.latest_version}",
-                    expected=self.latest_version,
-                    found=version,
-                )
-            if version == self.latest_version:
-                return []
-            covered = self.deltas and self.deltas[0].version <= version + 1
-            if covered:
-                replay = self.deltas_after(version)
-                anchor_route = [self.latest_anchor, *self.deltas_after(self.latest_anchor.version)]
-                if sum(e.bytes for e in replay) <= sum(e.bytes for e in anchor_route):
-                    return replay
-        return [self.latest_anchor, *self.deltas_after(self.latest_anchor.version)]
+        target = self.latest_version if target is None else target
+        if target > self.latest_version:
+            raise ChainError(
+                f"version {target} is not in the bucket yet (latest {self.latest_version})",
+                expected=self.latest_version,
+                found=target,
+            )
+        same_run = run_id == self.run_id and version is not None
+        if same_run and version == target:
+            return []
+        if same_run and version > target:
+            raise ChainError(
+                f"reader is at version {version}, past the requested {target}",
+                expected=target,
+                found=version,
+            )
+        routes = [self._deltas(version, target)] if same_run else []
+        anchors = [a for a in self.anchors if a.version <= target]
+        if anchors:
+            anchor = max(anchors, key=lambda a: a.version)
+            tail = self._deltas(anchor.version, target)
+            routes.append(None if tail is None else [anchor, *tail])
+        found = [r for r in routes if r is not None]
+        if not found:
+            raise ChainError(
+                f"the bucket no longer holds a route to version {target} (retained anchors "
+                f"{[a.version for a in self.anchors]}, deltas from "
+                f"{self.deltas[0].version if self.deltas else '-'})",
+                expected=target,
+                found=None,
+            )
+        return min(found, key=lambda r: sum(e.bytes for e in r))
+
+    def _deltas(self, after: int, target: int) -> list[ChainEntry] | None:
+        """The contiguous deltas after..target, or None if the chain does not cover them."""
+        deltas = [d for d in self.deltas if after < d.version <= target]
+        if [d.version for d in deltas] != list(range(after + 1, target + 1)):
+            return None
+        return deltas
 
     def with_version(self, entries: list[ChainEntry], keep_anchors: int) -> Manifest:
         """The next manifest: `entries` (a delta and/or an anchor of one new version) appended,
@@ -178,14 +215,12 @@ class Manifest:
             raw = json.loads(data)
         except (ValueError, RecursionError) as exc:  # also too deep or a number too long
             raise FormatError(f"manifest is not JSON: {exc}", path=path) from None
+        if not isinstance(raw, dict):
+            raise FormatError(f"manifest is a JSON {type(raw).__name__}, not an object", path=path)
+        check_protocol(raw.get("protocol"), what="manifest", path=path)  # before its keys
         keys = {f.name for f in cls.__dataclass_fields__.values()}
-        if not isinstance(raw, dict) or set(raw) != keys:
-            found = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
-            raise FormatError(f"manifest keys {found}, expected {sorted(keys)}", path=path)
-        if raw["protocol"] != PROTOCOL:
-            raise FormatError(
-                f"manifest protocol {raw['protocol']!r}, expected {PROTOCOL}", path=path
-            )
+        if set(raw) != keys:
+            raise FormatError(f"manifest keys {sorted(raw)}, expected {sorted(keys)}", path=path)
         try:
             for key in ("anchors", "deltas"):
                 if not isinstance(raw[key], list):
@@ -216,3 +251,32 @@ class Manifest:
             return manifest
         except (FormatError, TypeError, OverflowError) as exc:  # float(10**400): OverflowError
             raise FormatError(f"invalid manifest: {exc}", path=path) from None
+
+
+def read_manifest(store: Store) -> Manifest | None:
+    """The bucket's manifest, or None for an empty bucket.
+
+    Its size is checked before it is downloaded, so an oversized object is never held in memory.
+    """
+    try:
+        size = store.size(MANIFEST_PATH)
+    except MissingFile:
+        return None
+    if size > MAX_MANIFEST_BYTES:
+        raise FormatError(
+            f"manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}; not downloaded",
+            path=MANIFEST_PATH,
+        )
+    return Manifest.from_json(store.get(MANIFEST_PATH))
+
+
+def fetch_entry(store: Store, entry: ChainEntry) -> bytes:
+    """Download a manifest entry and check its size and whole-file digest before parsing."""
+    data = store.get(entry.path)
+    if len(data) != entry.bytes or bytes_digest(data) != entry.digest:
+        raise FormatError(
+            f"file does not match the manifest ({len(data)} bytes, expected "
+            f"{entry.bytes}, or digest differs)",
+            path=entry.path,
+        )
+    return data

@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
+from .changes import Diff, scatter
 from .codec import encode_anchor, encode_delta
 from .codec.metadata import validate_run_id
 from .digest import bytes_digest
 from .errors import PublishError, StoreError
-from .manifest import MANIFEST_PATH, ChainEntry, Manifest, file_path, metrics_path
+from .manifest import MANIFEST_PATH, ChainEntry, Manifest, file_path, metrics_path, read_manifest
+from .metrics import SyncRecord
 from .policy import AnchorPolicy
-from .replica import Replica, read_manifest
-from .retry import with_retries
-from .snapshot import Bf16Snapshot, Diff, NamedTensors, scatter
+from .replica import Replica
+from .snapshot import Bf16Snapshot, NamedTensors
 from .store import Store
 
 __all__ = ["Publisher", "PublisherConfig", "SyncRecord"]
@@ -37,62 +37,21 @@ class PublisherConfig:
         encoding: delta encoding, `packed` (default) or `coo` (TRL v1 interoperable).
         policy: when to write anchors and how many to keep.
         queue_size: versions that may wait for upload before `publish` blocks (back-pressure).
-        attempts, backoff_s: retries for every bucket write.
+        write_metrics: write each version's metrics record after its commit. A caller that
+            completes the record itself (the trainer adds replica outcomes and the reward)
+            turns this off and writes it once, so every record has exactly one writer.
     """
 
     run_id: str
     encoding: str = "packed"
     policy: AnchorPolicy = field(default_factory=AnchorPolicy)
     queue_size: int = 2
-    attempts: int = 4
-    backoff_s: float = 0.5
+    write_metrics: bool = True
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
         if self.queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
-
-
-@dataclass(frozen=True)
-class SyncRecord:
-    """One committed version, also written as `runs/<run>/metrics/<version>.json`."""
-
-    run_id: str
-    version: int
-    kind: str  # "anchor", "delta" or "delta+anchor"
-    encoding: str
-    delta_path: str | None
-    anchor_path: str | None
-    delta_bytes: int
-    anchor_bytes: int
-    full_bytes: int
-    changed_elements: int
-    total_elements: int
-    sparsity: float
-    diff_s: float
-    encode_s: float
-    upload_s: float
-    queued_s: float
-    committed_at: float
-
-    def log_lines(self, bucket: str) -> list[str]:
-        """The design's per-sync log lines: what changed, then each uploaded file."""
-        lines = [
-            f"Delta: {self.changed_elements}/{self.total_elements} elements changed "
-            f"(sparsity={100 * self.sparsity:.2f}%)"
-        ]
-        for path, size in (
-            (self.delta_path, self.delta_bytes),
-            (self.anchor_path, self.anchor_bytes),
-        ):
-            if path:
-                shown = f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.1f} KB"
-                lines.append(
-                    f"uploaded {bucket.rstrip('/')}/{path} ({shown}, "
-                    f"{self.full_bytes / size:.1f}x smaller than full bf16, "
-                    f"encode {self.encode_s:.2f}s, upload {self.upload_s:.2f}s)"
-                )
-        return lines
 
 
 @dataclass
@@ -178,12 +137,10 @@ class Publisher:
 
     def _start(self) -> None:
         """Resume the run in the bucket when its manifest names our run id."""
-        manifest = read_manifest(
-            self.store, attempts=self.config.attempts, backoff_s=self.config.backoff_s
-        )
+        manifest = read_manifest(self.store)
         if manifest is not None and manifest.run_id == self.config.run_id:
             replica = Replica()
-            replica.sync(self.store, attempts=self.config.attempts, backoff_s=self.config.backoff_s)
+            replica.sync(self.store)
             self._snapshot = Bf16Snapshot(replica.tensors)
             self._manifest = manifest
             log.info("resuming run %s at version %d", manifest.run_id, manifest.latest_version)
@@ -213,14 +170,6 @@ class Publisher:
         for other in dropped:  # queued jobs are skipped by the worker once their future is done
             if not other.future.done():
                 other.future.set_exception(error)
-
-    def _put(self, path: str, data: bytes) -> None:
-        with_retries(
-            lambda: self.store.put(path, data),
-            what=f"upload {path}",
-            attempts=self.config.attempts,
-            backoff_s=self.config.backoff_s,
-        )
 
     def _process(self, job: _Job) -> SyncRecord:
         cfg, snapshot = self.config, self._snapshot
@@ -293,7 +242,7 @@ class Publisher:
     ) -> ChainEntry:
         digest = bytes_digest(data)
         path = file_path(self.config.run_id, kind, version, digest)
-        self._put(path, data)
+        self.store.put(path, data)
         return ChainEntry(version, kind, path, len(data), digest, encoding, changed)  # type: ignore[arg-type]
 
     def _commit(self, entries: list[ChainEntry]) -> Manifest:
@@ -304,27 +253,22 @@ class Publisher:
         else:
             manifest = self._manifest.with_version(entries, self.config.policy.keep_anchors)
         data = manifest.to_json()
-        with_retries(
-            lambda: self.store.publish(MANIFEST_PATH, data),
-            what="commit manifest",
-            attempts=self.config.attempts,
-            backoff_s=self.config.backoff_s,
-        )
+        self.store.publish(MANIFEST_PATH, data)
         return manifest
 
     def _after_commit(
         self, record: SyncRecord, previous: Manifest | None, manifest: Manifest
     ) -> None:
-        """Metrics record, then retention: files the new manifest no longer names are deleted.
+        """Metrics record (unless the caller writes it), then retention: files the new manifest
+        no longer names are deleted.
 
         Failures here are logged only: the version is committed already.
         """
-        try:
-            self._put(
-                metrics_path(record.run_id, record.version), json.dumps(asdict(record)).encode()
-            )
-        except StoreError as exc:
-            log.warning("metrics record for version %d not written: %s", record.version, exc)
+        if self.config.write_metrics:
+            try:
+                self.store.put(metrics_path(record.run_id, record.version), record.to_json())
+            except StoreError as exc:
+                log.warning("metrics record for version %d not written: %s", record.version, exc)
         if previous is None or previous.run_id != manifest.run_id:
             return
         # Also this version's own delta when retention already drops it (keep_anchors=1 and an

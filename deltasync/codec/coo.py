@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..changes import TensorChange, gather
 from ..errors import FormatError
-from ..snapshot import TensorChange, gather
 
 __all__ = ["decode_tensor", "encode_changes"]
 

@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from ..digest import DIGEST_ALGORITHM
 from ..errors import FormatError
+from .header import SafetensorsHeader, parse_header, parse_header_bytes
 
-__all__ = ["PROTOCOL", "FileMetadata", "TensorEntry", "validate_run_id"]
+__all__ = [
+    "ENCODINGS",
+    "PROTOCOL",
+    "FileMetadata",
+    "ParsedFile",
+    "TensorEntry",
+    "check_protocol",
+    "read_metadata",
+    "validate_run_id",
+]
 
-PROTOCOL = "deltasync/1"
+PROTOCOL = "deltasync/1"  # bump on any change of the wire format (bucket_layout.md)
+_PROTOCOL = re.compile(r"deltasync/([1-9][0-9]{0,5})")
+ENCODINGS = ("packed", "coo")  # delta encodings; anchors are "full"
 Kind = Literal["anchor", "delta"]
 Encoding = Literal["full", "coo", "packed"]
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -26,6 +39,22 @@ def validate_run_id(run_id: str) -> str:
             f"invalid run id {run_id!r}: use 1-64 characters of letters, digits, '.', '_', '-'"
         )
     return run_id
+
+
+def check_protocol(found: object, *, what: str, path: str | None = None) -> None:
+    """Refuse a file or manifest of another protocol version with one line naming both."""
+    if found == PROTOCOL:
+        return
+    match = _PROTOCOL.fullmatch(found) if isinstance(found, str) else None
+    if match and int(match.group(1)) > int(PROTOCOL.split("/")[1]):
+        raise FormatError(
+            f"{what} was written with protocol {found}, but this reader speaks {PROTOCOL}: "
+            "upgrade deltasync to read it",
+            path=path,
+        )
+    raise FormatError(
+        f"{what} has protocol {found!r}, but this reader speaks {PROTOCOL}", path=path
+    )
 
 
 @dataclass(frozen=True)
@@ -48,8 +77,10 @@ class TensorEntry:
 class FileMetadata:
     """What a reader needs to decode and check a file, parsed from string metadata in one place.
 
-    `legacy` marks a TRL v1 file (no run id, no base version, no digests): it is only applied when
-    the caller explicitly accepts unverified files.
+    `legacy` marks a TRL v1 file (no run id, no base version, no digests, and for a delta only the
+    changed tensors): it is only applied when the caller explicitly accepts unverified files, and
+    the replica normalises it once (`Replica.stage`). Its element counts come from its own
+    metadata and header (`from_header`).
     """
 
     run_id: str | None
@@ -59,13 +90,18 @@ class FileMetadata:
     encoding: Encoding
     tensors: dict[str, TensorEntry]
     legacy: bool = False
+    declared: tuple[int, int] | None = None  # TRL v1 delta: (total, changed) elements
 
     @property
     def total_elements(self) -> int:
+        if self.declared is not None:
+            return self.declared[0]
         return sum(e.numel for e in self.tensors.values())
 
     @property
     def changed_elements(self) -> int:
+        if self.declared is not None:
+            return self.declared[1]
         return sum(e.changed for e in self.tensors.values())
 
     @property
@@ -105,15 +141,17 @@ class FileMetadata:
         return out
 
     @classmethod
+    def from_header(cls, header: SafetensorsHeader, *, path: str | None = None) -> FileMetadata:
+        """Parse and validate a file's metadata; a TRL v1 file also needs its tensor list."""
+        meta = header.metadata
+        if meta.get("format") == "sparse_weight_patch" and "protocol" not in meta:
+            return _from_trl_v1(meta, header, path)
+        return cls.from_strings(meta, path=path)
+
+    @classmethod
     def from_strings(cls, meta: dict[str, str], *, path: str | None = None) -> FileMetadata:
-        """Parse and validate; raises `FormatError` naming the key that is wrong."""
-        if meta.get("protocol") != PROTOCOL:
-            if meta.get("format") == "sparse_weight_patch" and "protocol" not in meta:
-                return _from_trl_v1(meta, path)
-            raise FormatError(
-                f"unsupported protocol {meta.get('protocol')!r}, this reader speaks {PROTOCOL}",
-                path=path,
-            )
+        """Parse and validate our metadata; raises `FormatError` naming the key that is wrong."""
+        check_protocol(meta.get("protocol"), what="file", path=path)
         if meta.get("digest_algorithm") != DIGEST_ALGORITHM:
             raise FormatError(f"unsupported digest {meta.get('digest_algorithm')!r}", path=path)
         kind = _choice(meta, "kind", ("anchor", "delta"), path)
@@ -185,19 +223,75 @@ def _tensor_entries(meta: dict[str, str], path: str | None) -> dict[str, TensorE
     return entries
 
 
-def _from_trl_v1(meta: dict[str, str], path: str | None) -> FileMetadata:
-    """A file written by TRL PR #5417: shapes come from the tensors, nothing to verify against."""
+def _from_trl_v1(meta: dict[str, str], header: SafetensorsHeader, path: str | None) -> FileMetadata:
+    """A file written by TRL PR #5417: no run, base or digests; counts from its header.
+
+    An anchor lists every tensor with its shape. A delta holds only the changed tensors, without
+    their full shapes: its `tensors` stay empty until the replica normalises the file against its
+    own state; `declared` holds the file's `total_elements` and the changed count of its header.
+    """
     version = _int(meta, "model_version", path, minimum=0)
     sparse = meta.get("sparse")
     if sparse not in ("True", "False"):
         raise FormatError(f"metadata sparse={sparse!r}, expected 'True' or 'False'", path=path)
-    kind: Kind = "delta" if sparse == "True" else "anchor"
-    return FileMetadata(
-        run_id=None,
-        version=version,
-        base_version=None,
-        kind=kind,
-        encoding="coo" if kind == "delta" else "full",
-        tensors={},
-        legacy=True,
-    )
+    if sparse == "False":
+        tensors = {n: TensorEntry(t.shape, None, t.numel) for n, t in header.tensors.items()}
+        return FileMetadata(None, version, None, "anchor", "full", tensors, legacy=True)
+    changed = sum(t.numel for n, t in header.tensors.items() if n.endswith(".indices"))
+    total = _int(meta, "total_elements", path, minimum=0) if "total_elements" in meta else 0
+    declared = (max(total, changed), changed)
+    return FileMetadata(None, version, None, "delta", "coo", {}, True, declared)
+
+
+@dataclass(frozen=True)
+class ParsedFile:
+    """A file's bytes with its header and metadata parsed once; every later stage reads these."""
+
+    data: bytes
+    header: SafetensorsHeader
+    meta: FileMetadata
+    path: str | None = None
+
+    @classmethod
+    def parse(cls, data: bytes, *, path: str | None = None) -> ParsedFile:
+        """Bounded header parse, then typed metadata; raises `FormatError`, reads no tensor."""
+        header = parse_header_bytes(data, path=path)
+        return cls(data, header, FileMetadata.from_header(header, path=path), path)
+
+    def normalised(
+        self, run_id: str | None, version: int | None, shapes: dict[str, tuple[int, ...]]
+    ) -> ParsedFile:
+        """A TRL v1 file as if it were ours: it follows (`run_id`, `version`), the reader's state.
+
+        The one place legacy files are made whole: a delta gets the reader's shapes for the
+        tensors it changes; digests stay None, so there is nothing to verify. Other files are
+        returned unchanged.
+        """
+        meta = self.meta
+        if not meta.legacy:
+            return self
+        tensors = meta.tensors
+        if meta.kind == "delta":
+            counts = {
+                n[: -len(".indices")]: t.numel
+                for n, t in self.header.tensors.items()
+                if n.endswith(".indices")
+            }
+            unknown = sorted(set(counts) - set(shapes))
+            if unknown:
+                raise FormatError(
+                    f"TRL v1 delta changes tensors the reader does not hold: {unknown[:5]}",
+                    path=self.path,
+                )
+            tensors = {n: TensorEntry(shape, None, counts.get(n, 0)) for n, shape in shapes.items()}
+        base = version if meta.kind == "delta" else None
+        fields = {"run_id": run_id, "base_version": base, "tensors": tensors, "declared": None}
+        return replace(self, meta=replace(meta, **fields))
+
+
+def read_metadata(
+    read: Callable[[int, int], bytes], file_size: int | None, *, path: str | None = None
+) -> tuple[FileMetadata, SafetensorsHeader]:
+    """Metadata from the header alone (byte-range reads), as the dashboard and `inspect` need."""
+    header = parse_header(read, file_size, path=path)
+    return FileMetadata.from_header(header, path=path), header

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import zstandard
 
+from ..changes import WORKERS, TensorChange
 from ..errors import FormatError
-from ..snapshot import WORKERS, TensorChange
 from .varint import gap_varints, indices_from_gaps, step_varints, values_from_steps
 
 __all__ = ["decode_tensor", "encode_changes"]

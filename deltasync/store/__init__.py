@@ -10,25 +10,26 @@ import fsspec
 from ..errors import StoreError
 from .base import MissingFile, Store, validate_path
 from .local import LocalStore
+from .retry import RetryPolicy
 
-__all__ = ["LocalStore", "MissingFile", "Store", "open_store", "validate_path"]
+__all__ = ["LocalStore", "MissingFile", "RetryPolicy", "Store", "open_store", "validate_path"]
 
 _HF_BUCKET = re.compile(r"hf://buckets/[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(/[\w./-]*)?")
 _EXTRAS = {"s3": "s3fs (pip install 'deltasync[s3]')", "gs": "gcsfs", "gcs": "gcsfs"}
 
 
-def open_store(url: str, **storage_options: Any) -> Store:
-    """Open a bucket by URL.
+def open_store(url: str, *, retry: RetryPolicy | None = None, **storage_options: Any) -> Store:
+    """Open a bucket by URL; every operation on it is retried by `retry` (default 4 attempts).
 
     - a path or `file://...`: a local folder (created if missing);
     - `hf://buckets/NAMESPACE/NAME[/prefix]`: a Hugging Face bucket (never a model/dataset repo);
     - any other fsspec URL (`memory://`, `s3://`, `gs://`, ...), with `storage_options` passed on.
     """
     if "://" not in url:
-        return LocalStore(url)
+        return LocalStore(url, retry=retry)
     protocol = url.split("://", 1)[0]
     if protocol == "file":
-        return LocalStore(url.split("://", 1)[1])
+        return LocalStore(url.split("://", 1)[1], retry=retry)
     if protocol == "hf" and not _HF_BUCKET.fullmatch(url.rstrip("/")):
         raise StoreError(f"{url!r} is not a bucket URL: expected hf://buckets/NAMESPACE/NAME")
     if ".." in url.split("://", 1)[1].split("/"):
@@ -43,4 +44,4 @@ def open_store(url: str, **storage_options: Any) -> Store:
             f"cannot open {url!r}: {exc}; use a folder, hf://buckets/NS/NAME, s3://, gs://, "
             "memory:// or another fsspec protocol"
         ) from None
-    return Store(fs, root, url)
+    return Store(fs, root, url, retry=retry)

@@ -1,4 +1,4 @@
-"""The bucket interface: a few primitives over fsspec, with every path validated first."""
+"""The bucket interface: a few primitives over fsspec, every path validated, every call retried."""
 
 from __future__ import annotations
 
@@ -9,15 +9,12 @@ from typing import Any
 import fsspec
 
 from ..errors import StoreError
+from .retry import MissingFile, RetryPolicy
 
 __all__ = ["MissingFile", "Store", "validate_path"]
 
 _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 _MAX_PATH = 1024
-
-
-class MissingFile(StoreError, FileNotFoundError):
-    """The path does not exist in the bucket."""
 
 
 def validate_path(path: str) -> str:
@@ -43,12 +40,23 @@ class Store:
     Object stores (S3, Hub buckets, memory) replace an object in a single PUT, so `put` is atomic
     there: a reader sees the old bytes or the new ones. `LocalStore` gets the same guarantee with
     a temporary file and a rename.
+
+    Every operation goes through `retry` (the one retry policy of the whole library): publisher,
+    replica, retention deletes and metrics writes never retry on their own.
     """
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str):
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        root: str,
+        url: str,
+        *,
+        retry: RetryPolicy | None = None,
+    ):
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
+        self.retry = retry or RetryPolicy()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -57,19 +65,27 @@ class Store:
         return f"{self.root}/{validate_path(path)}"
 
     def _call(self, what: str, path: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except FileNotFoundError:
-            raise MissingFile(f"{what}: no such file", path=path) from None
-        except StoreError:
-            raise
-        except Exception as exc:
-            raise StoreError(f"{what} failed: {type(exc).__name__}: {exc}", path=path) from exc
+        """One operation under the retry policy, its errors as `StoreError` / `MissingFile`."""
+
+        def once() -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except FileNotFoundError:
+                raise MissingFile(f"{what}: no such file", path=path) from None
+            except StoreError:
+                raise
+            except Exception as exc:
+                raise StoreError(f"{what} failed: {type(exc).__name__}: {exc}", path=path) from exc
+
+        return self.retry.call(once, what=f"{what} {path}")
 
     def put(self, path: str, data: bytes) -> None:
         """Write a whole object (atomic for readers)."""
-        full = self._full(path)
-        self._call("put", path, self.fs.pipe_file, full, bytes(data))
+        self._call("put", path, self._write, self._full(path), bytes(data))
+
+    def _write(self, full: str, data: bytes) -> None:
+        """One attempt at writing a whole object (backends override this, not `put`)."""
+        self.fs.pipe_file(full, data)
 
     def get(self, path: str) -> bytes:
         full = self._full(path)
@@ -83,14 +99,18 @@ class Store:
         if start == end:  # S3 would answer an empty range with the whole object
             self.size(path)  # still raises MissingFile for a missing object
             return b""
-        try:
-            return self._call("get_range", path, self.fs.cat_file, full, start=start, end=end)
-        except MissingFile:
-            raise
-        except StoreError:
-            if start >= self.size(path):  # S3 answers 416 where files answer b""
-                return b""
-            raise
+
+        def read() -> bytes:
+            try:
+                return self.fs.cat_file(full, start=start, end=end)
+            except FileNotFoundError:
+                raise
+            except Exception:
+                if start >= self.fs.size(full):  # S3 answers 416 where files answer b""
+                    return b""
+                raise
+
+        return self._call("get_range", path, read)
 
     def size(self, path: str) -> int:
         full = self._full(path)
@@ -123,4 +143,4 @@ class Store:
 
     def publish(self, path: str, data: bytes) -> None:
         """Atomically replace a small commit-point object such as the manifest."""
-        self.put(path, data)
+        self._call("publish", path, self._write, self._full(path), bytes(data))

@@ -26,13 +26,13 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from ..errors import DeltaSyncError, FormatError
-from ..manifest import ChainEntry
-from ..replica import fetch_entry, read_manifest
+from ..manifest import ChainEntry, fetch_entry, read_manifest
+from ..replica import PreparedUpdate, Replica
 from ..store import Store, open_store
 from . import BACKEND
-from .device import InPlacePrepared, InPlaceReplica
-from .protocol import InitInfo, UpdateInfo, parse_message, parse_version, plan_to
-from .shadow import PreparedUpdate, ShadowReplica, vllm_reloader
+from .device import InPlaceSink
+from .protocol import InitInfo, UpdateInfo, parse_message, parse_version
+from .shadow import ShadowSink, vllm_reloader
 from .swap import CpuGemmSwapper
 
 __all__ = ["DeltaSyncEngine", "register"]
@@ -49,12 +49,13 @@ class _Prepared:
     target: int
     entries: list[ChainEntry]
     bytes: int
-    update: PreparedUpdate | InPlacePrepared
+    update: PreparedUpdate
     seconds: float
 
 
 class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
-    """Applies bucket versions to the served model: in place on GPU, via a shadow on CPU."""
+    """Applies bucket versions to the served model through one `Replica`: its sink writes in
+    place on GPU (`InPlaceSink`) and through a shadow on CPU (`ShadowSink`)."""
 
     init_info_cls = InitInfo
     update_info_cls = UpdateInfo
@@ -64,7 +65,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         super().__init__(config, vllm_config, device, model)
         self.store: Store | None = None
         self.info: InitInfo | None = None
-        self.state: ShadowReplica | InPlaceReplica | None = None
+        self.state: Replica | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltasync-stage")
         self._staging: dict[int, Future[_Prepared]] = {}
         self._lock = threading.Lock()
@@ -81,30 +82,28 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.store = open_store(init_info.bucket)
         self.info = init_info
         if self.state is None:
-            self.state = self._make_state(init_info)
-        if isinstance(self.state, ShadowReplica):
-            self.state.prepack = init_info.prepack
-        log.info(
-            "deltasync: following %s (%s path)",
-            init_info.bucket,
-            "in-place" if isinstance(self.state, InPlaceReplica) else "shadow",
-        )
+            self.state = Replica(
+                self._make_sink(), allow_legacy=init_info.allow_legacy, verify=init_info.verify
+            )
+        if isinstance(self.state.sink, ShadowSink):
+            self.state.sink.prepack = init_info.prepack
+        log.info("deltasync: following %s (%s)", init_info.bucket, type(self.state.sink).__name__)
 
-    def _make_state(self, info: InitInfo) -> ShadowReplica | InPlaceReplica:
+    def _make_sink(self) -> ShadowSink | InPlaceSink:
         packed = dict(getattr(self.model, "packed_modules_mapping", {}) or {})
         if self.device.type == "cpu":
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
             reload = vllm_reloader(self.model, self.model_config)
             swapper = CpuGemmSwapper(self.model, packed, dispatch_cpu_unquantized_gemm)
-            return ShadowReplica(reload, packed, swapper=swapper, allow_legacy=info.allow_legacy)
+            return ShadowSink(reload, packed, swapper=swapper)
         parallel = self.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise FormatError(
                 "the in-place GPU path supports tensor and pipeline parallel size 1; "
                 f"found tp={parallel.tensor_parallel_size} pp={parallel.pipeline_parallel_size}"
             )
-        return InPlaceReplica(self.model, verify=info.verify, allow_legacy=info.allow_legacy)
+        return InPlaceSink(self.model)
 
     # -- staging (called through /collective_rpc while serving) --------------------------------
 
@@ -119,9 +118,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 )
         return self.status()
 
-    def _prepare(
-        self, store: Store, state: ShadowReplica | InPlaceReplica, target: int, path: str | None
-    ) -> _Prepared:
+    def _prepare(self, store: Store, state: Replica, target: int, path: str | None) -> _Prepared:
         started = time.perf_counter()
         base = (state.run_id, state.version)
         manifest = read_manifest(store)
@@ -131,7 +128,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             names = {e.path for e in (*manifest.anchors, *manifest.deltas) if e.version == target}
             if path not in names:
                 raise FormatError(f"the manifest has no file {path!r} for version {target}")
-        entries = plan_to(manifest, *base, target)
+        entries = manifest.plan(*base, target)
         files = [(fetch_entry(store, e), e.path) for e in entries]
         update = state.prepare(files)
         size = sum(len(data) for data, _ in files)
@@ -183,8 +180,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             "stage_s": round(prepared.seconds, 4),
             "apply_s": round(time.perf_counter() - started, 4),
             "commit_s": round(time.perf_counter() - committing, 4),
-            "swapped": isinstance(prepared.update, PreparedUpdate)
-            and prepared.update.modules is not None,
+            "swapped": getattr(state.sink, "last_swapped", False),
         }
         log.info("deltasync: now at version %s (%s)", state.version, self.last_update)
 
@@ -205,7 +201,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             staging = {str(v): _future_state(f) for v, f in sorted(self._staging.items())}
         return {
             "bucket": self.info.bucket if self.info else None,
-            "path": None if state is None else type(state).__name__,
+            "path": None if state is None else type(state.sink).__name__,
             "run_id": None if state is None else state.run_id,
             "version": None if state is None else state.version,
             "staging": staging,
@@ -218,11 +214,11 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         return {
             "run_id": state.run_id,
             "version": state.version,
-            "source": "parameters" if isinstance(state, InPlaceReplica) else "shadow",
+            "source": "parameters" if isinstance(state.sink, InPlaceSink) else "shadow",
             "digests": state.digests(),
         }
 
-    def _ready(self) -> tuple[Store, ShadowReplica | InPlaceReplica]:
+    def _ready(self) -> tuple[Store, Replica]:
         if self.store is None or self.state is None:
             raise FormatError(
                 'call /init_weight_transfer_engine {"init_info": {"bucket": URL}} first'

@@ -1,4 +1,4 @@
-"""Control messages of the `deltasync` weight-transfer backend and the catch-up plan to a version.
+"""Control messages of the `deltasync` weight-transfer backend.
 
 vLLM hands the engine plain dicts (`init_info`, `update_info`, `/collective_rpc` strings); they
 become these frozen records in one place and are validated there.
@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ChainError, FormatError
-from ..manifest import ChainEntry, Manifest
+from ..errors import FormatError
 from ..store import validate_path
 
-__all__ = ["InitInfo", "UpdateInfo", "parse_message", "parse_version", "plan_to"]
+__all__ = ["InitInfo", "UpdateInfo", "parse_message", "parse_version"]
 
 
 def parse_version(value: object, *, what: str = "version") -> int:
@@ -94,59 +93,3 @@ def parse_message(cls: type, raw: Any, what: str) -> Any:
         return cls(**raw)
     except TypeError as exc:
         raise ValueError(f"invalid {what}: {exc}") from None
-
-
-def plan_to(
-    manifest: Manifest, run_id: str | None, version: int | None, target: int
-) -> list[ChainEntry]:
-    """Files a reader at (`run_id`, `version`) applies, in order, to reach exactly `target`.
-
-    Like `Manifest.catch_up_plan`, but stops at `target` (a notification can trail the manifest):
-    replays deltas when the reader is inside the chain and that is cheaper, otherwise starts from
-    the newest retained anchor at or before `target`.
-
-    Raises:
-        ChainError: the bucket cannot produce `target` for this reader (too new, pruned, or the
-            reader is already past it).
-    """
-    if target > manifest.latest_version:
-        raise ChainError(
-            f"version {target} is not in the bucket yet (latest {manifest.latest_version})",
-            expected=manifest.latest_version,
-            found=target,
-        )
-    same_run = run_id == manifest.run_id and version is not None
-    if same_run and version == target:
-        return []
-    if same_run and version > target:
-        raise ChainError(
-            f"replica serves version {version}, past the requested {target}",
-            expected=target,
-            found=version,
-        )
-    routes = []
-    if same_run:
-        routes.append(_deltas(manifest, version, target))
-    anchors = [a for a in manifest.anchors if a.version <= target]
-    if anchors:
-        anchor = max(anchors, key=lambda a: a.version)
-        tail = _deltas(manifest, anchor.version, target)
-        routes.append(None if tail is None else [anchor, *tail])
-    routes = [r for r in routes if r is not None]
-    if not routes:
-        raise ChainError(
-            f"the bucket no longer holds a route to version {target} (retained anchors "
-            f"{[a.version for a in manifest.anchors]}, deltas from "
-            f"{manifest.deltas[0].version if manifest.deltas else '-'})",
-            expected=target,
-            found=None,
-        )
-    return min(routes, key=lambda r: sum(e.bytes for e in r))
-
-
-def _deltas(manifest: Manifest, after: int, target: int) -> list[ChainEntry] | None:
-    """The contiguous deltas after..target, or None if the chain does not cover them."""
-    deltas = [d for d in manifest.deltas if after < d.version <= target]
-    if [d.version for d in deltas] != list(range(after + 1, target + 1)):
-        return None
-    return deltas

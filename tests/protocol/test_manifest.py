@@ -46,24 +46,24 @@ def test_retention_keeps_newest_anchors_and_their_deltas():
 
 def test_catch_up_prefers_cheaper_route():
     manifest = _chain(12, anchors=(1, 5, 9))
-    assert [e.version for e in manifest.catch_up_plan("run", 10)] == [11, 12]
-    assert [e.version for e in manifest.catch_up_plan("run", 12)] == []
-    fresh = manifest.catch_up_plan(None, None)
+    assert [e.version for e in manifest.plan("run", 10)] == [11, 12]
+    assert [e.version for e in manifest.plan("run", 12)] == []
+    fresh = manifest.plan(None, None)
     assert [(e.version, e.kind) for e in fresh] == [
         (9, "anchor"),
         (10, "delta"),
         (11, "delta"),
         (12, "delta"),
     ]
-    assert next(e.kind for e in manifest.catch_up_plan("other-run", 10)) == "anchor"
-    assert manifest.catch_up_plan("run", 2)[0].kind == "anchor"  # no longer covered by deltas
+    assert next(e.kind for e in manifest.plan("other-run", 10)) == "anchor"
+    assert manifest.plan("run", 2)[0].kind == "anchor"  # no longer covered by deltas
     costly = _chain(12, anchors=(1, 5, 9), delta_bytes=400)
-    assert costly.catch_up_plan("run", 6)[0].kind == "anchor"  # 6 deltas cost more than 9 + 3
+    assert costly.plan("run", 6)[0].kind == "anchor"  # 6 deltas cost more than 9 + 3
 
 
 def test_reader_ahead_of_bucket_is_an_error():
     with pytest.raises(ChainError):
-        _chain(3).catch_up_plan("run", 7)
+        _chain(3).plan("run", 7)
 
 
 def test_version_must_follow():
@@ -119,3 +119,50 @@ def test_anchor_policy_rules():
     assert AnchorPolicy().wants_anchor(None, 1)
     with pytest.raises(ValueError):
         AnchorPolicy(interval=0)
+
+
+# The one chain planner, to an exact target (a notification can trail the manifest)
+
+
+def _plan_entry(kind: str, version: int, size: int = 10) -> ChainEntry:
+    folder = "anchors" if kind == "anchor" else "deltas"
+    return ChainEntry(version, kind, f"runs/r/{folder}/{version:08d}.st", size, "d", "packed", 1)
+
+
+def _plan_manifest(anchors: list[int], deltas: range, anchor_bytes: int = 100) -> Manifest:
+    return Manifest(
+        "r",
+        max([*anchors, *deltas]),
+        tuple(_plan_entry("anchor", v, anchor_bytes) for v in anchors),
+        tuple(_plan_entry("delta", v) for v in deltas),
+        anchor_bytes,
+    )
+
+
+def _versions(plan):
+    return [(e.kind[0], e.version) for e in plan]
+
+
+def test_bootstrap_is_nearest_anchor_then_replay():
+    m = _plan_manifest([5, 10], range(6, 14))
+    assert _versions(m.plan(None, None, 13)) == [("a", 10), ("d", 11), ("d", 12), ("d", 13)]
+    assert _versions(m.plan(None, None, 8)) == [("a", 5), ("d", 6), ("d", 7), ("d", 8)]
+    assert _versions(m.plan("other-run", 12, 10)) == [("a", 10)]
+
+
+def test_live_replica_replays_only_up_to_the_target():
+    m = _plan_manifest([5, 10], range(6, 14))
+    assert _versions(m.plan("r", 11, 12)) == [("d", 12)]
+    assert m.plan("r", 12, 12) == []
+    big = _plan_manifest([5, 10], range(6, 14), anchor_bytes=5)
+    assert _versions(big.plan("r", 6, 11)) == [("a", 10), ("d", 11)]  # cheaper route
+
+
+def test_unreachable_targets():
+    m = _plan_manifest([5, 10], range(6, 14))
+    with pytest.raises(ChainError, match="not in the bucket"):
+        m.plan("r", 12, 14)
+    with pytest.raises(ChainError, match="past the requested"):
+        m.plan("r", 13, 12)
+    with pytest.raises(ChainError, match="no longer holds"):
+        m.plan(None, None, 4)

@@ -10,36 +10,37 @@ import torch
 from model_steps import AdamWLoop, tiny_qwen3
 
 from deltasync.errors import PublishError, StoreError
-from deltasync.manifest import MANIFEST_PATH
+from deltasync.manifest import MANIFEST_PATH, read_manifest
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
-from deltasync.replica import Replica, read_manifest
+from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot
-from deltasync.store import LocalStore
+from deltasync.store import LocalStore, RetryPolicy
 
 
 class FlakyStore(LocalStore):
-    """A folder whose puts fail on demand, or block until released."""
+    """A folder whose writes fail on demand (each attempt counts), or block until released."""
 
-    def __init__(self, folder):
-        super().__init__(folder)
+    def __init__(self, folder, attempts: int = 4):
+        super().__init__(folder, retry=RetryPolicy(attempts=attempts, backoff_s=0.001))
         self.fail_next = 0
         self.fail_always = False
         self.gate = threading.Event()
         self.gate.set()
         self.puts: list[str] = []
 
-    def put(self, path, data):
+    def _write(self, full, data):
         self.gate.wait(timeout=30)
+        path = full[len(self.root) + 1 :]
         if self.fail_always or self.fail_next > 0:
             self.fail_next -= 1
             raise StoreError("injected failure", path=path)
         self.puts.append(path)
-        super().put(path, data)
+        super()._write(full, data)
 
 
 def _config(**kw):
-    return PublisherConfig(run_id="run", backoff_s=0.001, **kw)
+    return PublisherConfig(run_id="run", **kw)
 
 
 def _equal(replica, model):
@@ -53,7 +54,7 @@ def _equal(replica, model):
 def test_transient_failures_are_retried(tmp_path):
     store = FlakyStore(tmp_path)
     model = tiny_qwen3()
-    with Publisher(store, _config(attempts=4)) as publisher:
+    with Publisher(store, _config()) as publisher:
         publisher.publish(model).result(timeout=30)
         store.fail_next = 3
         AdamWLoop(model, lr=1e-3).step()
@@ -64,10 +65,10 @@ def test_transient_failures_are_retried(tmp_path):
 
 
 def test_failure_surfaces_and_publishing_resumes_without_skipping(tmp_path):
-    store = FlakyStore(tmp_path)
+    store = FlakyStore(tmp_path, attempts=2)
     model = tiny_qwen3()
     loop = AdamWLoop(model, lr=1e-3)
-    publisher = Publisher(store, _config(attempts=2))
+    publisher = Publisher(store, _config())
     publisher.publish(model).result(timeout=30)
     store.fail_always = True
     loop.step()
@@ -135,7 +136,7 @@ def test_new_run_starts_over_and_old_readers_refuse_its_deltas(tmp_path):
         publisher.publish(model)
     old = Replica()
     old.sync(store)
-    with Publisher(store, PublisherConfig(run_id="run-2", backoff_s=0.001)) as publisher:
+    with Publisher(store, PublisherConfig(run_id="run-2")) as publisher:
         assert publisher.publish(model).result(timeout=30).version == 1
         loop.step()
         publisher.publish(model)
@@ -174,10 +175,10 @@ def test_manifest_is_written_last(tmp_path):
 
 
 def test_versions_queued_behind_a_failure_are_dropped_not_misapplied(tmp_path):
-    store = FlakyStore(tmp_path)
+    store = FlakyStore(tmp_path, attempts=1)
     model = tiny_qwen3()
     loop = AdamWLoop(model, lr=1e-3)
-    publisher = Publisher(store, _config(attempts=1, queue_size=4))
+    publisher = Publisher(store, _config(queue_size=4))
     publisher.publish(model).result(timeout=30)
     store.gate.clear()
     store.fail_always = True

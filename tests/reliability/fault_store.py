@@ -1,9 +1,10 @@
 """A folder bucket with scripted faults: failed, slow, truncating or hanging operations.
 
-`FaultStore` is the real `LocalStore` (temp file, fsync, rename) with a hook in front of `put`,
-`publish` and `get`. An injected error is raised through the store's own error wrapper
+`FaultStore` is the real `LocalStore` (temp file, fsync, rename) with a hook inside each attempt
+of `put`, `publish` and `get`: an injected error is raised inside the store's own retried call
 (`Store._call`), exactly where a real I/O error (ENOSPC, a reset connection) would surface, so the
-library sees a `StoreError` with the original exception as its cause. Every call is logged with a
+store's retry policy sees it and the library gets a `StoreError` with the original exception as
+its cause. Each attempt is one logged call. Every call is logged with a
 `time.perf_counter()` stamp, so tests compare the order of events, never absolute durations.
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from fsspec.implementations.memory import MemoryFileSystem
 
-from deltasync.store import LocalStore, Store
+from deltasync.store import LocalStore, RetryPolicy, Store
 
 
 def enospc() -> OSError:
@@ -64,7 +65,7 @@ class Call:
 
 
 class FaultMixin:
-    """The fault hook over any `Store`: put, publish and get pass through `_run`."""
+    """The fault hook over any `Store`: each attempt of put, publish and get passes `_run`."""
 
     def _init_faults(self) -> None:
         self.faults: list[Fault] = []
@@ -94,7 +95,16 @@ class FaultMixin:
                     return fault
         return None
 
-    def _run(self, op: str, path: str, action: Callable[[], object], data: bytes = b"") -> object:
+    def _call(self, what: str, path: str, fn: Callable, *args: object, **kwargs: object) -> object:
+        if what not in ("put", "publish", "get"):
+            return super()._call(what, path, fn, *args, **kwargs)  # type: ignore[misc]
+
+        def attempt(*a: object, **k: object) -> object:
+            return self._run(what, path, lambda: fn(*a, **k), a[1] if what != "get" else b"")
+
+        return super()._call(what, path, attempt, *args, **kwargs)  # type: ignore[misc]
+
+    def _run(self, op: str, path: str, action: Callable[[], object], data: object) -> object:
         call = Call(op, path, time.perf_counter())
         with self._lock:
             self.calls.append(call)
@@ -102,18 +112,14 @@ class FaultMixin:
             fault = self._pick(op, path)
             if fault is not None:
                 if fault.truncate is not None:
-                    super().put(path, data[: int(len(data) * fault.truncate)])  # type: ignore[misc]
+                    partial = bytes(data)[: int(len(data) * fault.truncate)]  # type: ignore[arg-type]
+                    self._write(self._full(path), partial)  # type: ignore[attr-defined]
                 if fault.gate is not None:
                     with self._lock:
                         fault.blocked += 1
                     fault.gate.wait(timeout=60)
                 if fault.error is not None:
-                    error = fault.error
-
-                    def fail() -> None:
-                        raise error()
-
-                    self._call(op, path, fail)  # type: ignore[attr-defined]
+                    raise fault.error()
             result = action()
         except BaseException:
             call.ok = False
@@ -123,30 +129,24 @@ class FaultMixin:
         call.ok = True
         return result
 
-    def put(self, path: str, data: bytes) -> None:
-        self._run("put", path, lambda: super(FaultMixin, self).put(path, data), data)
 
-    def publish(self, path: str, data: bytes) -> None:
-        self._run("publish", path, lambda: super(FaultMixin, self).put(path, data), data)
-
-    def get(self, path: str) -> bytes:
-        return self._run("get", path, lambda: super(FaultMixin, self).get(path))  # type: ignore[return-value]
+FAST_RETRY = RetryPolicy(attempts=4, backoff_s=0.001)
 
 
 class FaultStore(FaultMixin, LocalStore):
     """A folder bucket (temp file, fsync, rename) with the fault hook."""
 
-    def __init__(self, folder: str | os.PathLike[str]):
-        super().__init__(folder)
+    def __init__(self, folder: str | os.PathLike[str], *, retry: RetryPolicy = FAST_RETRY):
+        super().__init__(folder, retry=retry)
         self._init_faults()
 
 
 class MemoryFaultStore(FaultMixin, Store):
     """An fsspec `memory://` bucket with the fault hook: no fsync, for many small writes."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, retry: RetryPolicy = FAST_RETRY) -> None:
         root = f"/reliability-{uuid.uuid4().hex}"
-        super().__init__(MemoryFileSystem(), root, f"memory://{root}")
+        super().__init__(MemoryFileSystem(), root, f"memory://{root}", retry=retry)
         self._init_faults()
 
     def remove(self) -> None:

@@ -13,7 +13,7 @@ from wire_samples import bitwise_equal, build_chain, fingerprint, publish_chain,
 
 from deltasync.errors import ChainError, DeltaSyncError, FormatError
 from deltasync.manifest import MANIFEST_PATH, Manifest, file_path
-from deltasync.store import validate_path
+from deltasync.store import RetryPolicy, validate_path
 
 FUZZ = settings(
     deadline=None,
@@ -28,7 +28,7 @@ CHAIN = build_chain(8)
 def bucket():
     """A bucket the real publisher wrote (anchors at 1, 4, 7; retention keeps 4 and 7), in
     memory: each example rewrites the manifest twice, and fsync would dominate the runtime."""
-    store = MemoryFaultStore()
+    store = MemoryFaultStore(retry=RetryPolicy(attempts=1))
     publish_chain(store, CHAIN)
     files = frozenset(p for p in store.list() if p.endswith(".safetensors"))
     yield store, store.get(MANIFEST_PATH), files
@@ -41,7 +41,7 @@ def test_the_real_manifest_is_accepted(bucket) -> None:
     assert [a.version for a in manifest.anchors] == [4, 7]
     assert manifest.referenced_paths() <= files
     replica = replica_at(CHAIN, None)
-    assert replica.sync(store, backoff_s=0.001) == [7, 8]
+    assert replica.sync(store) == [7, 8]
 
 
 @settings(FUZZ, max_examples=1500)
@@ -65,7 +65,7 @@ def test_fuzz_manifest_parse(bucket, raw) -> None:
     assert manifest.latest_version == max(e.version for e in entries)
     for reader in [(None, None), ("run", 1), ("run", 5), ("run", 8), ("other", 8), ("run", 99)]:
         try:
-            plan = manifest.catch_up_plan(*reader)
+            plan = manifest.plan(*reader)
         except ChainError:
             continue
         assert all(e in entries for e in plan)
@@ -83,7 +83,7 @@ def test_fuzz_manifest_through_replica(bucket, data, start) -> None:
     store.publish(MANIFEST_PATH, mutated)
     store.calls.clear()
     try:
-        replica.sync(store, attempts=1, backoff_s=0)
+        replica.sync(store)
     except DeltaSyncError as exc:
         event(f"refused: {type(exc).__name__}")
         assert fingerprint(replica) == before

@@ -13,6 +13,7 @@ from wire_samples import bitwise_equal, build_chain, fingerprint, publish_chain,
 
 from deltasync.errors import FormatError
 from deltasync.manifest import MANIFEST_PATH, Manifest
+from deltasync.store import RetryPolicy
 
 CHAIN = build_chain(5)
 
@@ -21,7 +22,7 @@ CHAIN = build_chain(5)
 def published(tmp_path_factory) -> tuple[FaultStore, bytes]:
     """Versions 1..5 (anchors 1 and 4 kept), with a file outside the bucket next to it."""
     root = tmp_path_factory.mktemp("paths")
-    store = FaultStore(root / "bucket")
+    store = FaultStore(root / "bucket", retry=RetryPolicy(attempts=1))
     publish_chain(store, CHAIN)
     (root / "secret").write_text("outside the bucket")
     return store, store.get(MANIFEST_PATH)
@@ -41,7 +42,7 @@ def _sync_refused(store: FaultStore, doc: dict, start: int | None) -> str:
     replica = replica_at(CHAIN, start)
     before = fingerprint(replica)
     with pytest.raises(FormatError) as info:
-        replica.sync(store, attempts=1)
+        replica.sync(store)
     assert fingerprint(replica) == before
     assert store.ops("get") == [MANIFEST_PATH]  # nothing the manifest names was read
     return str(info.value)

@@ -11,11 +11,11 @@ from fault_store import Fault, FaultStore
 from wire_samples import bitwise_equal, build_chain, fingerprint, replica_at, stepped
 
 from deltasync.errors import ChainError, FormatError, PublishError
-from deltasync.manifest import MANIFEST_PATH, Manifest
+from deltasync.manifest import MANIFEST_PATH, Manifest, fetch_entry
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
-from deltasync.replica import Replica, fetch_entry
-from deltasync.store import LocalStore
+from deltasync.replica import Replica
+from deltasync.store import LocalStore, RetryPolicy
 
 CHAIN = build_chain(4)
 POLICY = AnchorPolicy(interval=None, max_delta_fraction=None)
@@ -24,7 +24,7 @@ RESUMED = {3: stepped(CHAIN.states[2], 999), 4: stepped(stepped(CHAIN.states[2],
 
 
 def _config(run_id: str = CHAIN.run_id, **kw) -> PublisherConfig:
-    return PublisherConfig(run_id=run_id, policy=POLICY, backoff_s=0.001, **kw)
+    return PublisherConfig(run_id=run_id, policy=POLICY, **kw)
 
 
 def _killed() -> BaseException:
@@ -39,7 +39,7 @@ def _start_dying(store: FaultStore, fault: Fault) -> tuple[Publisher, object, th
     """A publisher that committed versions 1 and 2, then hangs inside `fault` on version 3."""
     gate = threading.Event()
     fault.gate, fault.error = gate, _killed
-    dying = Publisher(store, _config(attempts=1))
+    dying = Publisher(store, _config())
     for version in (1, 2):
         dying.publish(CHAIN.states[version]).result(timeout=30)
     store.inject(fault)
@@ -70,7 +70,7 @@ def _bury(dying: Publisher, future, gate: threading.Event) -> None:
     ids=["killed-during-manifest-commit", "killed-during-delta-upload"],
 )
 def test_restart_resumes_after_the_last_commit(tmp_path, fault: Fault) -> None:
-    store = FaultStore(tmp_path)
+    store = FaultStore(tmp_path, retry=RetryPolicy(attempts=1))
     dying, future, gate = _start_dying(store, fault)
     leftovers = {p for p in store.list("runs") if "/00000003-" in p}
     assert leftovers  # the dead attempt's delta (whole, or half of it) is in the bucket
@@ -100,7 +100,7 @@ def test_restart_resumes_after_the_last_commit(tmp_path, fault: Fault) -> None:
 
 
 def test_restart_with_a_new_run_id_moves_replicas_through_an_anchor(tmp_path) -> None:
-    store = FaultStore(tmp_path)
+    store = FaultStore(tmp_path, retry=RetryPolicy(attempts=1))
     dying, future, gate = _start_dying(store, Fault("publish", lambda p: p == MANIFEST_PATH))
     old = replica_at(CHAIN, 2)  # a live replica of the old run
     new_states = {1: stepped(CHAIN.states[2], 7), 2: stepped(stepped(CHAIN.states[2], 7), 8)}

@@ -24,8 +24,8 @@ from deltasync.codec import header as header_module
 from deltasync.codec import read_metadata
 from deltasync.codec.header import MAX_HEADER_BYTES, parse_header
 from deltasync.errors import FormatError
-from deltasync.manifest import MANIFEST_PATH, MAX_MANIFEST_BYTES
-from deltasync.replica import Replica, read_manifest
+from deltasync.manifest import MANIFEST_PATH, MAX_MANIFEST_BYTES, read_manifest
+from deltasync.replica import Replica
 from deltasync.store import LocalStore
 
 CHAIN = build_chain(2)
@@ -181,8 +181,8 @@ def test_oversized_manifest_is_refused_before_download(tmp_path, record_property
     store.publish(MANIFEST_PATH, b" " * (MAX_MANIFEST_BYTES + 1))
     replica = Replica()
     with peak_memory() as peak, pytest.raises(FormatError, match="not downloaded"):
-        replica.sync(store, attempts=1)
+        replica.sync(store)
     with pytest.raises(FormatError):
-        read_manifest(store, attempts=1)
+        read_manifest(store)
     assert replica.version is None and peak[0] < SMALL
     record_property("peak_bytes", peak[0])

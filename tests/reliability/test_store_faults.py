@@ -13,12 +13,13 @@ import pytest
 from fault_store import Fault, FaultStore, connection_reset, enospc
 from wire_samples import bitwise_equal, build_chain, fingerprint, publish_chain, replica_at
 
-from deltasync import retry
+from deltasync.store import retry
 from deltasync.errors import FormatError, PublishError, StoreError
-from deltasync.manifest import MANIFEST_PATH, Manifest
+from deltasync.manifest import MANIFEST_PATH, Manifest, fetch_entry, read_manifest
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
-from deltasync.replica import Replica, fetch_entry, read_manifest
+from deltasync.replica import Replica
+from deltasync.store import RetryPolicy
 
 CHAIN = build_chain(5)
 NO_ANCHORS = AnchorPolicy(interval=None, max_delta_fraction=None)
@@ -26,7 +27,7 @@ NO_ANCHORS = AnchorPolicy(interval=None, max_delta_fraction=None)
 
 def _config(**kw) -> PublisherConfig:
     return PublisherConfig(
-        **{"run_id": CHAIN.run_id, "backoff_s": 0.001, "policy": NO_ANCHORS} | kw
+        **{"run_id": CHAIN.run_id, "policy": NO_ANCHORS} | kw
     )
 
 
@@ -59,25 +60,25 @@ def _is_delta(version: int):
 
 
 def test_failed_get_is_retried_then_applied(tmp_path: Path) -> None:
-    store = FaultStore(tmp_path)
+    store = FaultStore(tmp_path, retry=RetryPolicy(attempts=3, backoff_s=0.001))
     publish_chain(store, CHAIN, policy=NO_ANCHORS)
     fault = store.inject(Fault("get", _is_delta(5), times=2, error=connection_reset))
     replica = replica_at(CHAIN, 4)
-    assert replica.sync(store, attempts=3, backoff_s=0.001) == [5]
+    assert replica.sync(store) == [5]
     assert fault.hits == 2 and len([p for p in store.ops("get") if _is_delta(5)(p)]) == 3
     assert bitwise_equal(replica.tensors, CHAIN.states[5])
 
 
 @pytest.mark.parametrize("target", ["delta", "manifest"])
 def test_failed_get_gives_up_and_changes_nothing(tmp_path: Path, target: str) -> None:
-    store = FaultStore(tmp_path)
+    store = FaultStore(tmp_path, retry=RetryPolicy(attempts=3, backoff_s=0.001))
     publish_chain(store, CHAIN, policy=NO_ANCHORS)
     where = _is_delta(5) if target == "delta" else (lambda p: p == MANIFEST_PATH)
     store.inject(Fault("get", where, times=None, error=connection_reset))
     replica = replica_at(CHAIN, 4)
     before = fingerprint(replica)
     with pytest.raises(StoreError, match="gave up after 3 attempts") as info:
-        replica.sync(store, attempts=3, backoff_s=0.001)
+        replica.sync(store)
     assert isinstance(info.value.__cause__.__cause__, ConnectionResetError)
     assert fingerprint(replica) == before
 
@@ -114,8 +115,8 @@ def test_publish_returns_while_an_upload_is_in_flight(tmp_path: Path) -> None:
 
 def test_truncated_upload_is_never_committed(tmp_path: Path) -> None:
     """A store that leaves half a file behind on every failed attempt (a non-atomic copy)."""
-    store = FaultStore(tmp_path)
-    publisher = Publisher(store, _config(attempts=2))
+    store = FaultStore(tmp_path, retry=RetryPolicy(attempts=2, backoff_s=0.001))
+    publisher = Publisher(store, _config())
     publisher.publish(CHAIN.states[1]).result(timeout=30)
     store.inject(Fault("put", _is_delta(2), times=None, truncate=0.5))
     with pytest.raises(PublishError, match="version 2"):
@@ -187,9 +188,9 @@ def test_disk_full_retries_with_backoff_then_surfaces(tmp_path: Path, sleeps, wh
     """ENOSPC on every attempt: 4 attempts with doubling delays, then a `PublishError` that
     says why; the manifest stays at version 1; once space is back, versions 2 and 3 follow
     without a gap or a repeat."""
-    store = FaultStore(tmp_path)
+    store = FaultStore(tmp_path, retry=RetryPolicy(attempts=4, backoff_s=0.25))
     policy = AnchorPolicy(interval=1, max_delta_fraction=None)  # an anchor at every version
-    publisher = Publisher(store, _config(attempts=4, backoff_s=0.25, policy=policy))
+    publisher = Publisher(store, _config(policy=policy))
     publisher.publish(CHAIN.states[1]).result(timeout=30)
     op, match = FULL_DISK[where]
     full = store.inject(Fault(op, match, times=None, error=enospc))

@@ -86,7 +86,7 @@ def replica_at(chain: Chain, version: int | None) -> Replica:
     """A fresh replica holding `version` of the chain (None: empty), without touching the chain."""
     replica = Replica()
     if version is not None:
-        replica.tensors = {n: t.clone() for n, t in chain.states[version].items()}
+        replica.sink.state = {n: t.clone() for n, t in chain.states[version].items()}
         replica.run_id, replica.version = chain.run_id, version
     return replica
 
@@ -142,7 +142,6 @@ def publish_chain(
         run_id=chain.run_id,
         encoding=encoding,
         policy=policy or AnchorPolicy(interval=3, max_delta_fraction=None, keep_anchors=2),
-        backoff_s=0.001,
     )
     with Publisher(store, config) as publisher:
         return [

@@ -11,7 +11,8 @@ import signal
 import pytest
 from trainer_cli import TOKEN, metrics, run_trainer, train_command, trainer_process, wait_until
 
-from deltasync.replica import Replica, read_manifest
+from deltasync.manifest import read_manifest
+from deltasync.replica import Replica
 from deltasync.store import open_store
 
 pytestmark = pytest.mark.slow

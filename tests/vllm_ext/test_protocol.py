@@ -1,62 +1,11 @@
-"""Control messages and the catch-up plan to an exact version."""
+"""Control messages of the weight-transfer backend."""
 
 from __future__ import annotations
 
 import pytest
 
-from deltasync.errors import ChainError, FormatError
-from deltasync.manifest import ChainEntry, Manifest
-from deltasync.vllm_ext.protocol import (
-    InitInfo,
-    UpdateInfo,
-    parse_message,
-    parse_version,
-    plan_to,
-)
-
-
-def _entry(kind: str, version: int, size: int = 10) -> ChainEntry:
-    folder = "anchors" if kind == "anchor" else "deltas"
-    return ChainEntry(version, kind, f"runs/r/{folder}/{version:08d}.st", size, "d", "packed", 1)
-
-
-def _manifest(anchors: list[int], deltas: range, anchor_bytes: int = 100) -> Manifest:
-    return Manifest(
-        "r",
-        max([*anchors, *deltas]),
-        tuple(_entry("anchor", v, anchor_bytes) for v in anchors),
-        tuple(_entry("delta", v) for v in deltas),
-        anchor_bytes,
-    )
-
-
-def _versions(plan):
-    return [(e.kind[0], e.version) for e in plan]
-
-
-def test_bootstrap_is_nearest_anchor_then_replay():
-    m = _manifest([5, 10], range(6, 14))
-    assert _versions(plan_to(m, None, None, 13)) == [("a", 10), ("d", 11), ("d", 12), ("d", 13)]
-    assert _versions(plan_to(m, None, None, 8)) == [("a", 5), ("d", 6), ("d", 7), ("d", 8)]
-    assert _versions(plan_to(m, "other-run", 12, 10)) == [("a", 10)]
-
-
-def test_live_replica_replays_only_up_to_the_target():
-    m = _manifest([5, 10], range(6, 14))
-    assert _versions(plan_to(m, "r", 11, 12)) == [("d", 12)]
-    assert plan_to(m, "r", 12, 12) == []
-    big = _manifest([5, 10], range(6, 14), anchor_bytes=5)
-    assert _versions(plan_to(big, "r", 6, 11)) == [("a", 10), ("d", 11)]  # cheaper route
-
-
-def test_unreachable_targets():
-    m = _manifest([5, 10], range(6, 14))
-    with pytest.raises(ChainError, match="not in the bucket"):
-        plan_to(m, "r", 12, 14)
-    with pytest.raises(ChainError, match="past the requested"):
-        plan_to(m, "r", 13, 12)
-    with pytest.raises(ChainError, match="no longer holds"):
-        plan_to(m, None, None, 4)
+from deltasync.errors import FormatError
+from deltasync.vllm_ext.protocol import InitInfo, UpdateInfo, parse_message, parse_version
 
 
 def test_messages_are_validated():

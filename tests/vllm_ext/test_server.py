@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from deltasync.digest import tensor_digest
+from deltasync.manifest import read_manifest
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig, SyncRecord
-from deltasync.replica import read_manifest
 from deltasync.snapshot import Bf16Snapshot
 from deltasync.store import open_store
 from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
@@ -60,7 +60,7 @@ class Trainer:
 
     def _publisher(self) -> Publisher:
         policy = AnchorPolicy(interval=6, max_delta_fraction=None, keep_anchors=2)
-        config = PublisherConfig(RUN_ID, encoding=self.encoding, policy=policy, backoff_s=0.01)
+        config = PublisherConfig(RUN_ID, encoding=self.encoding, policy=policy)
         return Publisher(self.store, config)
 
     def use_encoding(self, encoding: str) -> None:
