@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import safetensors.torch
 import torch
 
 
@@ -30,3 +33,29 @@ class AdamWLoop:
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+def trl_v1_write(path, version: int, base: dict, new: dict) -> None:
+    """An independent writer of TRL v1's delta layout and string metadata."""
+    tensors, changed, total_changed, total = {}, [], 0, 0
+    for name, tensor in new.items():
+        total += tensor.numel()
+        mask = base[name].view(-1).view(torch.int16) != tensor.view(-1).view(torch.int16)
+        indices = mask.nonzero().squeeze(1)
+        if indices.numel():
+            tensors[f"{name}.indices"] = indices.to(torch.int32)
+            tensors[f"{name}.values"] = tensor.view(-1)[indices].contiguous()
+            changed.append(name)
+            total_changed += indices.numel()
+    metadata = {
+        "format": "sparse_weight_patch",
+        "version": "1",
+        "sparse": "True",
+        "model_version": str(version),
+        "num_changed_params": str(len(changed)),
+        "total_changed_elements": str(total_changed),
+        "total_elements": str(total),
+        "sparsity": f"{1 - total_changed / total:.6f}",
+        "changed_params": json.dumps(changed),
+    }
+    safetensors.torch.save_file(tensors, str(path), metadata=metadata)

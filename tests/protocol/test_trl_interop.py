@@ -6,9 +6,8 @@ import itertools
 import json
 
 import pytest
-import safetensors.torch
 import torch
-from model_steps import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop, tiny_qwen3, trl_v1_write
 from safetensors import safe_open
 
 from deltasync.codec import encode_anchor, encode_delta
@@ -29,32 +28,6 @@ def trl_v1_apply(path, snapshot: dict[str, torch.Tensor]) -> None:
                 name = key[: -len(".indices")]
                 indices = f.get_tensor(key).long()
                 snapshot[name].view(-1)[indices] = f.get_tensor(f"{name}.values")
-
-
-def trl_v1_write(path, version: int, base: dict, new: dict) -> None:
-    """An independent writer of TRL v1's delta layout and string metadata."""
-    tensors, changed, total_changed, total = {}, [], 0, 0
-    for name, tensor in new.items():
-        total += tensor.numel()
-        mask = base[name].view(-1).view(torch.int16) != tensor.view(-1).view(torch.int16)
-        indices = mask.nonzero().squeeze(1)
-        if indices.numel():
-            tensors[f"{name}.indices"] = indices.to(torch.int32)
-            tensors[f"{name}.values"] = tensor.view(-1)[indices].contiguous()
-            changed.append(name)
-            total_changed += indices.numel()
-    metadata = {
-        "format": "sparse_weight_patch",
-        "version": "1",
-        "sparse": "True",
-        "model_version": str(version),
-        "num_changed_params": str(len(changed)),
-        "total_changed_elements": str(total_changed),
-        "total_elements": str(total),
-        "sparsity": f"{1 - total_changed / total:.6f}",
-        "changed_params": json.dumps(changed),
-    }
-    safetensors.torch.save_file(tensors, str(path), metadata=metadata)
 
 
 def _steps(n: int, lr: float = 1e-5):

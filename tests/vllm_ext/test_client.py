@@ -42,7 +42,7 @@ def answering() -> Iterator:
 @pytest.mark.parametrize(
     ("reply", "message"),
     [
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"ok\"", "broke off"),
+        (b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"ok"', "broke off"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nnope!", "answered no JSON"),
         (b"garbage\r\n\r\n", "broke off|unreachable"),
         (b"", "unreachable"),

@@ -1,4 +1,4 @@
-"""CPU apply path: the shadow is patched and verified first, then complete modules are reloaded."""
+"""The shadow sink: the shadow is patched and verified first, then complete modules are reloaded."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import torch
 from deltasync.errors import DigestMismatch
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
+from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot
 from deltasync.store import open_store
-from deltasync.vllm_ext.shadow import ShadowReplica
+from deltasync.vllm_ext.shadow import ShadowSink
 from trainer.tiny_model import tiny_qwen3_config
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -41,9 +42,9 @@ def setup(tmp_path):
     trainer = Qwen3ForCausalLM(tiny_qwen3_config()).float()
     store = open_store(str(tmp_path / "bucket"))
     policy = AnchorPolicy(interval=100, max_delta_fraction=None)
-    publisher = Publisher(store, PublisherConfig("run-s", policy=policy, backoff_s=0.01))
+    publisher = Publisher(store, PublisherConfig("run-s", policy=policy))
     fake = FakeModel()
-    yield trainer, store, publisher, fake, ShadowReplica(fake.reload, PACKED)
+    yield trainer, store, publisher, fake, Replica(ShadowSink(fake.reload, PACKED))
     publisher.close()
 
 
@@ -118,8 +119,8 @@ def test_digest_mismatch_leaves_the_model_untouched(setup):
     with torch.no_grad():
         dict(trainer.named_parameters())["model.norm.weight"][0] = 3.0
     delta = publisher.publish(trainer).result(timeout=60)
-    replica.replica.tensors["model.norm.weight"][5] = 9.0  # the shadow drifted from the base
+    replica.tensors["model.norm.weight"][5] = 9.0  # the shadow drifted from the base
     with pytest.raises(DigestMismatch, match=r"model\.norm\.weight"):
         _update(replica, store, delta.delta_path)
     assert len(fake.calls) == calls and replica.version == 1
-    assert float(replica.replica.tensors["model.norm.weight"][0]) == 1.0  # rolled back
+    assert float(replica.tensors["model.norm.weight"][0]) == 1.0  # rolled back
