@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 from .config import SpacesConfig
 
-__all__ = ["MARKER_TAG", "Plan", "SpaceSpec", "expected_host", "make_plan", "space_roles"]
+__all__ = ["MARKER_TAG", "SDKS", "Plan", "SpaceSpec", "expected_host", "make_plan", "space_roles"]
 
 # Every Space launch.py creates carries this tag (front matter of its README); a Space of the
 # same name without it belongs to someone else and is never updated or deleted.
 MARKER_TAG = "deltasync"
 TOKEN_SECRET = "HF_TOKEN"
+# The Space SDK of each template (spaces/<kind>/README.md's front matter says the same).
+SDKS = {"vllm": "docker", "wordle": "docker", "dashboard": "gradio"}
 API_KEY_SECRET = "DELTASYNC_API_KEY"
 
 
@@ -32,6 +34,10 @@ class SpaceSpec:
     variables: tuple[tuple[str, str], ...]
     secrets: tuple[str, ...]
     template_id: str | None = None
+
+    @property
+    def sdk(self) -> str:
+        return SDKS[self.kind]
 
     def create_args(self) -> list[str]:
         """Options shared by `hf repos create` and `hf repos duplicate`."""

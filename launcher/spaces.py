@@ -18,7 +18,7 @@ from . import staging
 from .config import SpacesConfig
 from .errors import LaunchError, NameTaken, NotLoggedIn
 from .hf import HfCli
-from .plan import API_KEY_SECRET, MARKER_TAG, Plan, SpaceSpec, make_plan
+from .plan import API_KEY_SECRET, MARKER_TAG, SDKS, Plan, SpaceSpec, make_plan
 from .progress import wait_running
 
 __all__ = ["Deployment", "api_key_file", "deploy", "login", "teardown"]
@@ -75,7 +75,7 @@ def deploy(cfg: SpacesConfig, hf: HfCli, echo: Callable[[str], None] = print) ->
         elif cfg.from_template:
             hf.change("repos", "duplicate", spec.template_id, spec.repo_id, *spec.create_args())
         else:
-            hf.change("repos", "create", spec.repo_id, "--sdk", "docker", *spec.create_args())
+            hf.change("repos", "create", spec.repo_id, "--sdk", spec.sdk, *spec.create_args())
         if not cfg.from_template:
             context = cfg.workdir.resolve() / "stage" / spec.kind
             if spec.kind not in staged:  # the replicas share one context
@@ -166,7 +166,7 @@ def _probe(hf: HfCli, spec: SpaceSpec) -> dict[str, Any] | None:
 def _is_ours(info: dict[str, Any]) -> bool:
     card = info.get("card_data") or {}
     tags = [*(info.get("tags") or []), *(card.get("tags") or [])]
-    return info.get("sdk") in (None, "docker") and MARKER_TAG in tags
+    return info.get("sdk") in (None, *SDKS.values()) and MARKER_TAG in tags
 
 
 def _reapply(hf: HfCli, spec: SpaceSpec) -> None:

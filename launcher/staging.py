@@ -1,4 +1,4 @@
-"""Docker build contexts for the Spaces: a template folder plus this repository's packages.
+"""Build contexts for the Spaces: a template folder plus this repository's packages.
 
 Each context is a copy of the sources at this revision (nothing is installed from a moving
 source), so the Space builds exactly what was tested here; `BUILD_INFO.json` records the git
@@ -28,12 +28,13 @@ _SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".ruff_c
 CONTEXTS: dict[str, tuple[tuple[str, str], ...]] = {
     "vllm": (("spaces/vllm", "."), ("deltasync", "deltasync")),
     "wordle": (("spaces/wordle", "."), ("wordle_env", "wordle_env")),
+    # A Gradio SDK Space: app.py at the root, the sources imported from beside it.
     "dashboard": (
-        ("spaces/dashboard/Dockerfile", "Dockerfile"),
+        ("spaces/dashboard/space_app.py", "app.py"),
         ("spaces/dashboard/README.md", "README.md"),
-        ("pyproject.toml", "pyproject.toml"),
+        ("spaces/dashboard/requirements.txt", "requirements.txt"),
         ("deltasync", "deltasync"),
-        ("spaces/dashboard", "spaces/dashboard"),
+        ("spaces/dashboard", "deltasync_dashboard"),
     ),
 }
 

@@ -46,7 +46,7 @@ def test_dry_run_of_from_template_matches_the_real_one(hub):
     state = hub.state
     for role in ("vllm-0", "wordle", "dashboard"):
         state["spaces"][f"bob/deltasync-{role}"] = {
-            "sdk": "docker",
+            "sdk": "gradio" if role == "dashboard" else "docker",
             "private": False,
             "hardware": "cpu-basic",
             "secrets": {},

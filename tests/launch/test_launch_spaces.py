@@ -49,7 +49,8 @@ def create(hub, role: str) -> list[list[str]]:
             f"DELTASYNC_BUCKET={BUCKET}",
         ],
     }[kind]
-    return [["repos", "create", repo, "--sdk", "docker", "--type", "space", *settings, *J]]
+    sdk = "gradio" if kind == "dashboard" else "docker"
+    return [["repos", "create", repo, "--sdk", sdk, "--type", "space", *settings, *J]]
 
 
 def upload(hub, role: str, message: str) -> list[list[str]]:
@@ -141,6 +142,10 @@ def test_fresh_launch_sequence(hub):
         "BUILD_INFO.json",
         "deltasync/__init__.py",
     } <= set(vllm["files"])
+    dashboard = state["spaces"]["alice/deltasync-dashboard"]
+    assert dashboard["sdk"] == "gradio" and "deltasync" in dashboard["tags"]
+    assert {"app.py", "requirements.txt", "deltasync_dashboard/app.py"} <= set(dashboard["files"])
+    assert "Dockerfile" not in dashboard["files"]
     assert "https://alice-deltasync-vllm-0.hf.space" in result.out
     assert "--vllm-server-url https://alice-deltasync-vllm-0.hf.space" in result.out
     assert "--env wordle --env-url https://alice-deltasync-wordle.hf.space" in result.out
@@ -205,7 +210,7 @@ def _publish_templates(hub, owner: str = "bob") -> None:
     state = hub.state
     for role in ("vllm-0", "wordle", "dashboard"):
         state["spaces"][f"{owner}/deltasync-{role}"] = {
-            "sdk": "docker",
+            "sdk": "gradio" if role == "dashboard" else "docker",
             "private": False,
             "hardware": "cpu-basic",
             "secrets": {},

@@ -9,7 +9,7 @@ import pytest
 
 from launcher.config import SpacesConfig
 from launcher.errors import LaunchError
-from launcher.plan import expected_host, make_plan
+from launcher.plan import SDKS, expected_host, make_plan
 from launcher.staging import _with_tag, stage
 
 
@@ -45,11 +45,11 @@ def _files(folder):
         (
             "dashboard",
             {
-                "Dockerfile",
+                "app.py",
                 "README.md",
-                "pyproject.toml",
+                "requirements.txt",
                 "deltasync/__init__.py",
-                "spaces/dashboard/app.py",
+                "deltasync_dashboard/app.py",
             },
         ),
     ],
@@ -62,7 +62,7 @@ def test_context_layout(tmp_path, kind, expected):
     assert not any(f.startswith(("trainer/", "tests/", "bench/")) for f in files)
     readme = (context / "README.md").read_text()
     assert readme.startswith("---\n") and "  - deltasync\n" in readme.split("---")[1]
-    assert "sdk: docker" in readme
+    assert f"sdk: {SDKS[kind]}" in readme
     info = json.loads((context / "BUILD_INFO.json").read_text())
     assert info["kind"] == kind and len(info["files_sha256"]) == 64
 
