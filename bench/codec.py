@@ -185,7 +185,7 @@ def _timed(fn, repeat: int):
 def _update(
     replica: Replica, data: bytes, base: int, repeat: int
 ) -> tuple[float, float, float, float]:
-    """Replica.update(data), which is stage (decode, validate) + apply (write, verify digests).
+    """Replica.update(data), which is stage (decode, validate, verify digests) + apply (write).
 
     Returns (first update's wall time, best stage time, best apply time, best CPU time of the
     whole update) over `repeat` runs; to
@@ -195,7 +195,7 @@ def _update(
     staged = None
     for r in range(max(1, repeat)):
         if staged is not None:
-            for name, change in staged.decoded.changes.items():
+            for name, change in staged.files[0].decoded.changes.items():
                 replica.tensors[name].view(-1)[change.indices] = change.previous
             replica.version = base
         c0, t0 = time.process_time(), time.perf_counter()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -33,11 +33,16 @@ Shapes = dict[str, tuple[int, ...]]
 
 @dataclass(frozen=True)
 class StagedFile:
-    """One decoded file that passed every check against the state it applies to."""
+    """One decoded file that passed every check against the state it applies to.
+
+    `after` holds, for a delta, each touched tensor after the update (a fresh CPU copy) when
+    the sink adopts them (`Sink.keeps_tensors`); otherwise it is empty.
+    """
 
     meta: FileMetadata
     path: str | None
     decoded: DecodedFile
+    after: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def touched(self) -> frozenset[str]:
@@ -70,7 +75,14 @@ class PreparedUpdate:
 class Sink(Protocol):
     """Where a replica's bytes live. The replica calls these in this order per update:
     `shapes`/`tensors` while staging (serving goes on), `prepare` once every file passed, then
-    `commit` in the pause."""
+    `commit` in the pause.
+
+    `keeps_tensors`: the sink adopts the post-update copies of touched tensors the replica makes
+    to verify digests (`StagedFile.after`), so nothing is computed twice; a sink that writes
+    changes in place (the GPU) says False, and the copies are dropped once hashed.
+    """
+
+    keeps_tensors: bool
 
     def shapes(self) -> Shapes:
         """Names and shapes of the state held; empty before the first anchor."""
@@ -95,7 +107,9 @@ class Sink(Protocol):
 
 
 class DictSink:
-    """CPU bf16 tensors in a dict: written in place in O(changed), undone on any error."""
+    """CPU bf16 tensors in a dict; an update swaps in the verified post-update tensors."""
+
+    keeps_tensors = True
 
     def __init__(self) -> None:
         self.state: dict[str, torch.Tensor] = {}
@@ -110,29 +124,17 @@ class DictSink:
         return None
 
     def commit(self, files: Sequence[StagedFile], prepared: None) -> None:
-        state = dict(self.state)
-        with undo_on_error() as written:
-            for file in files:
-                if file.meta.kind == "anchor":
-                    state = dict(file.decoded.tensors)
-                    continue
-                for name, change in file.decoded.changes.items():
-                    scatter(state[name], change.indices, change.values)
-                    written.append((state[name], change))
-        self.state = state
+        self.state = next_state(self.state, files)
 
 
-class undo_on_error:
-    """Collects (tensor, change) pairs written in place; on an error writes `previous` back."""
-
-    def __enter__(self) -> list:
-        self.written: list = []
-        return self.written
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        if kind is not None:
-            for tensor, change in reversed(self.written):
-                scatter(tensor, change.indices, change.previous)
+def next_state(
+    state: Mapping[str, torch.Tensor], files: Sequence[StagedFile]
+) -> dict[str, torch.Tensor]:
+    """The tensors after `files`, from their anchors and post-update copies (nothing written)."""
+    out = dict(state)
+    for file in files:
+        out = dict(file.decoded.tensors) if file.meta.kind == "anchor" else out | dict(file.after)
+    return out
 
 
 class _StateAfter(Mapping[str, torch.Tensor]):
@@ -151,11 +153,14 @@ class _StateAfter(Mapping[str, torch.Tensor]):
             start, tensor = 0, self._base.get(name)
         if tensor is None:
             raise KeyError(name)
-        later = self._files[start:]
-        changes = [f.decoded.changes[name] for f in later if name in f.decoded.changes]
-        if changes:
-            tensor = tensor.clone()
-            for change in changes:
+        copied = False
+        for file in self._files[start:]:
+            if name in file.after:
+                tensor, copied = file.after[name], False
+            elif name in file.decoded.changes:
+                if not copied:
+                    tensor, copied = tensor.clone(), True
+                change = file.decoded.changes[name]
                 scatter(tensor, change.indices, change.values)
         return tensor
 
@@ -218,11 +223,10 @@ class Replica:
             _check_chain(meta, run_id, version, shapes, path)
             state = _StateAfter(self.sink.tensors(), staged)
             decoded = decode(parsed, base=state)
-            if self.verify:
-                _verify(decoded, state, path)
+            after = _after(decoded, state, self.verify, self.sink.keeps_tensors, path)
             if meta.kind == "anchor":
                 shapes = {n: tuple(t.shape) for n, t in decoded.tensors.items()}
-            staged.append(StagedFile(meta, path, decoded))
+            staged.append(StagedFile(meta, path, decoded, after))
             run_id, version = meta.run_id, meta.version
         sink_state = self.sink.prepare(staged) if staged else None
         return PreparedUpdate(base, tuple(staged), sink_state)
@@ -326,31 +330,42 @@ def _check_chain(
         raise FormatError(f"delta is for another model: tensors differ {diff}", path=path)
 
 
-def _verify(decoded: DecodedFile, state: Mapping[str, torch.Tensor], path: str | None) -> None:
-    """Every tensor a file sets must hash to the file's post-update digest (None: unverifiable).
+def _after(
+    decoded: DecodedFile,
+    state: Mapping[str, torch.Tensor],
+    verify: bool,
+    keep: bool,
+    path: str | None,
+) -> dict[str, torch.Tensor]:
+    """Check every tensor a file sets against its post-update digest (None: unverifiable);
+    returns a delta's post-update copies of touched tensors when `keep`.
 
-    Deltas are checked on a copy of each touched tensor with the changes applied, so nothing the
-    model serves is written before the whole file is known to be right.
+    A delta is checked on copies with the changes applied, so nothing the model serves is
+    written before the whole file is known to be right; the copies are made in a small thread
+    pool (numpy's scatter and xxhash release the GIL), one per worker at a time unless kept.
     """
     meta = decoded.meta
+
+    def expect(name: str, tensor: torch.Tensor) -> None:
+        expected = meta.tensors[name].digest
+        if verify and expected is not None:
+            found = tensor_digest(tensor)
+            if found != expected:
+                raise DigestMismatch(name, expected, found, path=path)
+
     if meta.kind == "anchor":
-        jobs = [(n, lambda t=t: t) for n, t in decoded.tensors.items()]
-    else:
+        for name, tensor in decoded.tensors.items():
+            expect(name, tensor)
+        return {}
+    if not keep and not verify:
+        return {}
 
-        def patched(name: str) -> torch.Tensor:
-            change = decoded.changes[name]
-            tensor = state[name].clone()
-            scatter(tensor, change.indices, change.values)
-            return tensor
-
-        jobs = [(n, lambda n=n: patched(n)) for n in decoded.changes]
-    jobs = [(n, make) for n, make in jobs if meta.tensors[n].digest is not None]
-
-    def check(job: tuple[str, Any]) -> None:
-        name, make = job
-        expected, found = meta.tensors[name].digest, tensor_digest(make())
-        if found != expected:
-            raise DigestMismatch(name, expected or "", found, path=path)
+    def patched(name: str) -> tuple[str, torch.Tensor | None]:
+        change = decoded.changes[name]
+        tensor = state[name].clone()
+        scatter(tensor, change.indices, change.values)
+        expect(name, tensor)
+        return name, tensor if keep else None
 
     with ThreadPoolExecutor(WORKERS) as pool:
-        list(pool.map(check, jobs))
+        return {n: t for n, t in pool.map(patched, decoded.changes) if t is not None}

@@ -48,6 +48,8 @@ class InPlaceSink:
         model: the vLLM model; parameters must be plain bf16 tensors (no quantization).
     """
 
+    keeps_tensors = False  # writes changes in place; host copies are dropped once verified
+
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self._params = dict(model.named_parameters(remove_duplicate=False))

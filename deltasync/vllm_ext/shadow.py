@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..changes import scatter
-from ..replica import StagedFile
+from ..replica import StagedFile, next_state
 from .layout import module_groups
 from .swap import CpuGemmSwapper, PreparedModules
 
@@ -52,6 +51,8 @@ class ShadowSink:
             first full load (else every update reloads), and while `prepack` is true.
     """
 
+    keeps_tensors = True
+
     def __init__(
         self,
         reload: Reloader,
@@ -74,19 +75,9 @@ class ShadowSink:
         return self.shadow
 
     def prepare(self, files: Sequence[StagedFile]) -> _NextShadow:
-        """The next shadow, copying only touched tensors; the modules packed for it if swapping."""
-        tensors = dict(self.shadow)
-        copied: set[str] = set()
-        for file in files:
-            if file.meta.kind == "anchor":
-                tensors = dict(file.decoded.tensors)
-                copied = set(tensors)
-                continue
-            for name, change in file.decoded.changes.items():
-                if name not in copied:
-                    tensors[name] = tensors[name].clone()
-                    copied.add(name)
-                scatter(tensors[name], change.indices, change.values)
+        """The next shadow (the replica's verified post-update copies); the modules packed for
+        it if swapping."""
+        tensors = next_state(self.shadow, files)
         touched = frozenset().union(*(f.touched for f in files))
         modules = None
         if touched and self.prepack and self.swapping and self.swapper is not None:
