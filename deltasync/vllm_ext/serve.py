@@ -25,7 +25,7 @@ import sys
 import time
 
 from ..errors import DeltaSyncError
-from ..replica import read_manifest
+from ..manifest import read_manifest
 from ..store import open_store
 from . import AUTH_MIDDLEWARE, BACKEND, WORKER_EXTENSION
 from .auth import GATE_ENV, TOKEN_ENV

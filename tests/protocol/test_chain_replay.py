@@ -31,9 +31,7 @@ def test_fifty_versions_replay_bitwise(tmp_path, policy, encoding):
     model = tiny_qwen3()
     loop = AdamWLoop(model, lr=1e-6)
     store = open_store(str(tmp_path / "bucket"))
-    publisher = Publisher(
-        store, PublisherConfig(run_id="run-a", encoding=encoding, policy=policy)
-    )
+    publisher = Publisher(store, PublisherConfig(run_id="run-a", encoding=encoding, policy=policy))
     live = Replica()
     kinds, densities = [], []
     for version in range(1, 51):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import safetensors.torch
 import torch
-from model_steps import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop, tiny_qwen3, trl_v1_write
 
 from deltasync.cli import main
 from deltasync.policy import AnchorPolicy
@@ -61,6 +61,26 @@ def test_inspect_json(bucket, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["kind"] == "delta" and info["version"] == 9 and info["base_version"] == 8
     assert info["encoding"] == "packed" and 0 < info["sparsity"] < 1
+
+
+def test_inspect_of_a_trl_v1_file_shows_its_own_counts(tmp_path, capsys):
+    """TRL PR #5417 files declare their totals; the changed count is what their header holds."""
+    model = tiny_qwen3()
+    base = Bf16Snapshot.capture(model).tensors
+    base = {n: t.clone() for n, t in base.items()}
+    AdamWLoop(model, lr=1e-3).step()
+    path = tmp_path / "step_000002.safetensors"
+    new = Bf16Snapshot.capture(model).tensors
+    trl_v1_write(path, 2, base, new)
+    changed = sum(
+        int((base[n].view(torch.int16) != t.view(torch.int16)).sum()) for n, t in new.items()
+    )
+    total = sum(t.numel() for t in new.values())
+    assert main(["inspect", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["legacy_trl_v1"] is True and info["kind"] == "delta" and info["version"] == 2
+    assert (info["total_elements"], info["changed_elements"]) == (total, changed)
+    assert 0 < changed < total and info["sparsity"] == round(1 - changed / total, 6)
 
 
 def test_verify_detects_a_tampered_file(bucket, tmp_path, capsys):

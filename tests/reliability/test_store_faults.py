@@ -13,13 +13,12 @@ import pytest
 from fault_store import Fault, FaultStore, connection_reset, enospc
 from wire_samples import bitwise_equal, build_chain, fingerprint, publish_chain, replica_at
 
-from deltasync.store import retry
 from deltasync.errors import FormatError, PublishError, StoreError
 from deltasync.manifest import MANIFEST_PATH, Manifest, fetch_entry, read_manifest
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
 from deltasync.replica import Replica
-from deltasync.store import RetryPolicy
+from deltasync.store import RetryPolicy, retry
 
 CHAIN = build_chain(5)
 NO_ANCHORS = AnchorPolicy(interval=None, max_delta_fraction=None)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from no_torch_site import UNIMPORTABLE, without_modules
 
 START_TIMEOUT_S = 300.0
 
@@ -57,7 +58,8 @@ class ReplicaProcess:
             "16",
             "--disable-log-stats",
         ]
-        env = dict(os.environ, DELTASYNC_API_KEY=token)
+        # The launcher's own process needs no torch (vLLM, its child, does): hold it to that.
+        env = without_modules(dict(os.environ, DELTASYNC_API_KEY=token), *UNIMPORTABLE)
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

@@ -1,0 +1,69 @@
+"""Protocol versions: files of protocol 1 written before the redesign still read, bitwise; a
+newer file or manifest is refused with one line naming both versions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from deltasync import Replica, open_store, read_manifest
+from deltasync.codec import PROTOCOL, ParsedFile, read_metadata
+from deltasync.errors import FormatError
+from deltasync.manifest import Manifest, fetch_entry
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "protocol-1"
+
+
+@pytest.mark.parametrize("encoding", ["packed", "coo"])
+def test_protocol_1_buckets_replay_bitwise(encoding):
+    store = open_store(str(FIXTURES / f"bucket-{encoding}"))
+    manifest = read_manifest(store)
+    assert manifest.protocol == "deltasync/1" and manifest.latest_version == 4
+    first, last = sorted(manifest.anchors, key=lambda a: a.version)
+    replica = Replica()
+    replica.update(fetch_entry(store, first), path=first.path)
+    for delta in manifest.deltas:
+        assert replica.update(fetch_entry(store, delta), path=delta.path)
+    assert replica.version == 4
+    anchor = safetensors.torch.load(fetch_entry(store, last))
+    assert set(anchor) == set(replica.tensors)
+    for name, tensor in anchor.items():
+        assert torch.equal(replica.tensors[name].view(torch.int16), tensor.view(torch.int16))
+    meta, _ = read_metadata(lambda a, b: fetch_entry(store, last)[a:b], last.bytes)
+    replica.check_digests(meta)
+
+
+def _with_protocol(data: bytes, protocol: str) -> bytes:
+    parsed = ParsedFile.parse(data)
+    tensors = safetensors.torch.load(data)
+    return safetensors.torch.save(tensors, metadata=parsed.header.metadata | {"protocol": protocol})
+
+
+def test_newer_file_is_refused_naming_both_versions():
+    delta = next((FIXTURES / "bucket-packed").rglob("00000002-*.safetensors"))
+    with pytest.raises(FormatError) as info:
+        ParsedFile.parse(_with_protocol(delta.read_bytes(), "deltasync/2"))
+    message = str(info.value)
+    assert "deltasync/2" in message and PROTOCOL in message and "upgrade" in message
+    assert "\n" not in message
+
+
+def test_newer_manifest_is_refused_before_its_keys_are_checked():
+    raw = json.loads((FIXTURES / "bucket-packed" / "manifest.json").read_bytes())
+    raw |= {"protocol": "deltasync/2", "fence": {"epoch": 3}}  # a field protocol 1 lacks
+    with pytest.raises(FormatError) as info:
+        Manifest.from_json(json.dumps(raw).encode())
+    assert "deltasync/2" in str(info.value) and PROTOCOL in str(info.value)
+    assert "keys" not in str(info.value)
+
+
+@pytest.mark.parametrize("found", ["deltasync/0", "other/1", "", None])
+def test_unknown_protocol_names_what_was_found(found):
+    raw = json.loads((FIXTURES / "bucket-packed" / "manifest.json").read_bytes())
+    raw["protocol"] = found
+    with pytest.raises(FormatError, match="this reader speaks deltasync/1"):
+        Manifest.from_json(json.dumps(raw).encode())
