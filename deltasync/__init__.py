@@ -38,6 +38,7 @@ __all__ = [
     "DigestMismatch",
     "FormatError",
     "Manifest",
+    "MissingExtra",
     "PublishError",
     "Publisher",
     "PublisherConfig",
@@ -67,5 +68,23 @@ _TENSOR_SIDE = {
 
 def __getattr__(name: str) -> Any:
     if name in _TENSOR_SIDE:
-        return getattr(importlib.import_module(f".{_TENSOR_SIDE[name]}", __name__), name)
+        return getattr(import_tensor_side(f"{__name__}.{_TENSOR_SIDE[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class MissingExtra(ImportError):
+    """The tensor side was asked for where only the torch-free core is installed."""
+
+
+def import_tensor_side(module: str) -> Any:
+    """Import a module of the tensor side, naming the extra to install when torch & co. lack."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing in {"torch", "numpy", "numba", "safetensors", "zstandard"}:
+            raise MissingExtra(
+                f"{module} needs {missing}: pip install 'deltasync[torch]' ({exc})",
+                name=exc.name,
+            ) from exc
+        raise

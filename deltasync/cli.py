@@ -18,6 +18,7 @@ from pathlib import Path
 import fsspec
 from tqdm import tqdm
 
+from . import MissingExtra, import_tensor_side
 from .codec import read_metadata
 from .errors import DeltaSyncError, FormatError
 from .manifest import fetch_entry, read_manifest
@@ -66,7 +67,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     """Replay every retained file from the oldest anchor; check each anchor against the replay."""
-    from .replica import Replica
+    Replica = import_tensor_side("deltasync.replica").Replica
 
     store = open_store(args.bucket)
     manifest = read_manifest(store)
@@ -92,8 +93,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from .codec import encode_anchor
-    from .replica import Replica
+    encode_anchor = import_tensor_side("deltasync.codec.files").encode_anchor
+    Replica = import_tensor_side("deltasync.replica").Replica
 
     store = open_store(args.bucket)
     manifest = read_manifest(store)
@@ -118,8 +119,7 @@ def _replay(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import logging
 
-    from .demo import run_demo
-
+    run_demo = import_tensor_side("deltasync.demo").run_demo
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     return 1 if run_demo(args.bucket, args.steps, args.lr, args.encoding) else 0
 
@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (DeltaSyncError, OSError) as exc:  # ChainError too: e.g. a version not retained
+    except (DeltaSyncError, OSError, MissingExtra) as exc:  # e.g. a version not retained
         if args.debug:
             raise
         print(f"error: {exc}", file=sys.stderr)

@@ -44,7 +44,7 @@ _TENSOR_SIDE = {"DecodedFile", "decode", "encode_anchor", "encode_delta"}
 
 def __getattr__(name: str) -> Any:
     if name in _TENSOR_SIDE:
-        from . import files
+        from .. import import_tensor_side
 
-        return getattr(files, name)
+        return getattr(import_tensor_side(f"{__name__}.files"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

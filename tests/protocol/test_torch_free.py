@@ -38,7 +38,7 @@ def test_the_tensor_side_is_really_unimportable():
             print("refused:", exc)
         """
     )
-    assert "refused: import of torch halted" in done.stdout
+    assert "refused: deltasync.replica needs torch: pip install 'deltasync[torch]'" in done.stdout
 
 
 def test_inspect_reads_a_real_file():
