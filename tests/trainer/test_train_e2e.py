@@ -52,6 +52,8 @@ def _train(tmp: Path, model_dir: Path, urls: list[str], steps: int, seed: int) -
 
 def _assert_every_sync_verified(records: list, replicas: int, steps: int) -> None:
     assert [r["version"] for r in records] == list(range(1, steps + 2))  # + the initial sync
+    assert [r["step"] for r in records] == list(range(steps + 1))  # version v: step v - 1
+    assert records[0]["reward_mean"] is None  # the initial weights: no step, no reward
     for r in records:
         assert len(r["replicas"]) == replicas
         assert all(s["ok"] and s["attempts"] == 1 for s in r["replicas"].values()), r
