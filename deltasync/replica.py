@@ -145,24 +145,28 @@ class _StateAfter(Mapping[str, torch.Tensor]):
         self._files = files
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        return self.get_copy(name, private=False)
+
+    def get_copy(self, name: str, *, private: bool) -> torch.Tensor:
+        """The tensor; with `private`, one the caller may write (copied only when shared)."""
         anchors = [i for i, f in enumerate(self._files) if f.meta.kind == "anchor"]
         if anchors:
-            start = anchors[-1] + 1
+            start, owned = anchors[-1] + 1, False
             tensor = self._files[anchors[-1]].decoded.tensors.get(name)
-        else:
-            start, tensor = 0, self._base.get(name)
+        else:  # host copies of device tensors are made per access: the caller owns them
+            start, owned = 0, getattr(self._base, "fresh_copies", False)
+            tensor = self._base.get(name)
         if tensor is None:
             raise KeyError(name)
-        copied = False
         for file in self._files[start:]:
             if name in file.after:
-                tensor, copied = file.after[name], False
+                tensor, owned = file.after[name], False
             elif name in file.decoded.changes:
-                if not copied:
-                    tensor, copied = tensor.clone(), True
+                if not owned:
+                    tensor, owned = tensor.clone(), True
                 change = file.decoded.changes[name]
                 scatter(tensor, change.indices, change.values)
-        return tensor
+        return tensor if owned or not private else tensor.clone()
 
     def __iter__(self) -> Iterator[str]:
         anchors = [f for f in self._files if f.meta.kind == "anchor"]
@@ -332,7 +336,7 @@ def _check_chain(
 
 def _after(
     decoded: DecodedFile,
-    state: Mapping[str, torch.Tensor],
+    state: _StateAfter,
     verify: bool,
     keep: bool,
     path: str | None,
@@ -362,7 +366,7 @@ def _after(
 
     def patched(name: str) -> tuple[str, torch.Tensor | None]:
         change = decoded.changes[name]
-        tensor = state[name].clone()
+        tensor = state.get_copy(name, private=True)
         scatter(tensor, change.indices, change.values)
         expect(name, tensor)
         return name, tensor if keep else None

@@ -22,7 +22,10 @@ log = logging.getLogger(__name__)
 
 
 class _HostCopies(Mapping[str, torch.Tensor]):
-    """Read-only host copies of device tensors, made one at a time when the decoder asks."""
+    """Host copies of device tensors, made one at a time as they are asked for; each belongs to
+    the caller (`fresh_copies`), so the replica patches it without copying it again."""
+
+    fresh_copies = True
 
     def __init__(self, views: Mapping[str, torch.Tensor]):
         self._views = views
