@@ -233,7 +233,7 @@ def test_late_replica_serves_version_15_bitwise(served):
     assert read_manifest(served.trainer.store).latest_version == 15
     _assert_serves(served, 15)
     status = served.client.status()
-    assert status["run_id"] == RUN_ID and status["path"] == "ShadowReplica"
+    assert status["run_id"] == RUN_ID and status["path"] == "ShadowSink"
     assert status["last_update"]["files"][0].startswith(
         f"runs/{RUN_ID}/anchors/"
     )  # anchor + replay
@@ -384,3 +384,73 @@ def test_failed_updates_keep_serving_the_previous_version(served):
     trainer.store.put(record.delta_path, good)
     _sync(served, record)
     _assert_serves(served, record.version)
+
+
+def _tampered_manifest(trainer: Trainer, record: SyncRecord) -> bytes:
+    """The bucket's manifest with `record`'s delta replaced by a copy whose first changed tensor
+    promises a wrong digest; the file itself is consistent with that manifest entry."""
+    from dataclasses import replace
+
+    from deltasync.changes import Diff
+    from deltasync.codec import ParsedFile, decode, encode_delta
+    from deltasync.digest import bytes_digest
+    from deltasync.manifest import MANIFEST_PATH, Manifest, file_path
+
+    good = trainer.store.get(MANIFEST_PATH)
+    manifest = Manifest.from_json(good)
+    parsed = ParsedFile.parse(trainer.store.get(record.delta_path))
+    changes = decode(parsed, base=_state_before(trainer, record)).changes
+    digests = {n: e.digest for n, e in parsed.meta.tensors.items()}
+    digests[next(iter(changes))] = "0" * 32
+    shapes = {n: e.shape for n, e in parsed.meta.tensors.items()}
+    data = encode_delta(
+        Diff(changes, digests, shapes),
+        run_id=RUN_ID,
+        version=record.version,
+        base_version=record.version - 1,
+        encoding=record.encoding,
+    )
+    path = file_path(RUN_ID, "delta", record.version, bytes_digest(data))
+    trainer.store.put(path, data)
+    entry = next(d for d in manifest.deltas if d.version == record.version)
+    bad = replace(entry, path=path, bytes=len(data), digest=bytes_digest(data))
+    deltas = tuple(bad if d is entry else d for d in manifest.deltas)
+    trainer.store.publish(MANIFEST_PATH, replace(manifest, deltas=deltas).to_json())
+    return good
+
+
+def _state_before(trainer: Trainer, record: SyncRecord) -> dict[str, torch.Tensor]:
+    """The trainer's bf16 state at `record.version - 1`, replayed from the bucket."""
+    from deltasync.replica import Replica
+
+    replica = Replica()
+    replica.sync(trainer.store, target=record.version - 1)
+    return dict(replica.tensors)
+
+
+def test_refusals_as_in_the_sink_conformance(served):
+    """Through the server's own route: a delta whose digests do not match, at the end of a
+    two-file catch-up (failure mid-chain), and a request for an older version are refused;
+    nothing changes, serving never stops; the right files then apply."""
+    from deltasync.manifest import MANIFEST_PATH
+
+    trainer, client = served.trainer, served.client
+    version = int(client.weight_version())
+    before = client.digests()
+    trainer.step()
+    first = trainer.publish()
+    second = first
+    while second is first or second.anchor_path:  # a plain delta, so the chain must use it
+        trainer.step()
+        second = trainer.publish()
+    good = _tampered_manifest(trainer, second)
+    with pytest.raises(ReplicaError, match=r"(?i)digest mismatch"):
+        client.sync_to(second.version)
+    with pytest.raises(ReplicaError, match="past the requested"):
+        client.sync_to(version - 1)
+    assert client.request("GET", "/is_paused") == {"is_paused": False}
+    assert client.weight_version() == str(version)
+    assert client.digests() == before
+    trainer.store.publish(MANIFEST_PATH, good)
+    client.sync_to(second.version)
+    _assert_serves(served, second.version)
