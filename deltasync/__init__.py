@@ -19,12 +19,13 @@ from .errors import (
     StoreError,
 )
 from .manifest import Manifest, read_manifest
+from .metrics import SyncRecord
 from .policy import AnchorPolicy
 from .store import RetryPolicy, Store, open_store
 
 if TYPE_CHECKING:
     from .changes import Diff, TensorChange
-    from .publisher import Publisher, PublisherConfig, SyncRecord
+    from .publisher import Publisher, PublisherConfig
     from .replica import DictSink, Replica, Sink
     from .snapshot import Bf16Snapshot
 
@@ -61,7 +62,6 @@ _TENSOR_SIDE = {
     "PublisherConfig": "publisher",
     "Replica": "replica",
     "Sink": "replica",
-    "SyncRecord": "publisher",
     "TensorChange": "changes",
 }
 

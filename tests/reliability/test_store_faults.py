@@ -25,9 +25,7 @@ NO_ANCHORS = AnchorPolicy(interval=None, max_delta_fraction=None)
 
 
 def _config(**kw) -> PublisherConfig:
-    return PublisherConfig(
-        **{"run_id": CHAIN.run_id, "policy": NO_ANCHORS} | kw
-    )
+    return PublisherConfig(**{"run_id": CHAIN.run_id, "policy": NO_ANCHORS} | kw)
 
 
 def _wait_until(predicate, timeout: float = 30) -> None:
