@@ -258,9 +258,9 @@ def _tensors_edit(draw, raw: str, kind: str) -> str:
     if draw(st.integers(0, 9)) == 0:  # the string holds JSON text no encoder would write
         return draw(RAW_TOKENS)
     try:
-        entries = json.loads(raw)
+        entries = json.loads(raw)  # an earlier mutation may have made it any JSON value
         json.dumps(copy.deepcopy(entries))  # nesting shallow enough to edit again
-    except (ValueError, RecursionError):
+    except (ValueError, RecursionError, TypeError):
         entries = None
     if not isinstance(entries, dict) or not entries:  # an earlier mutation broke it already
         return draw(META_STRINGS)
