@@ -67,10 +67,6 @@ class PreparedUpdate:
     def versions(self) -> list[int]:
         return [f.meta.version for f in self.files]
 
-    @property
-    def touched(self) -> frozenset[str]:
-        return frozenset().union(*(f.touched for f in self.files))
-
 
 class Sink(Protocol):
     """Where a replica's bytes live. The replica calls these in this order per update:

@@ -106,6 +106,7 @@ class Store:
             except FileNotFoundError:
                 raise
             except Exception:
+                self.fs.invalidate_cache(full)
                 if start >= self.fs.size(full):  # S3 answers 416 where files answer b""
                     return b""
                 raise
