@@ -42,11 +42,21 @@ class ChainError(DeltaSyncError):
 
 
 class DigestMismatch(DeltaSyncError):
-    """The bytes after an update do not hash to the digest the file promised."""
+    """The bytes after an update do not hash to the digest the file promised, or held bytes
+    changed without an update (`tensor` names it; empty for the whole state)."""
 
-    def __init__(self, tensor: str, expected: str, found: str, *, path: str | None = None):
+    def __init__(
+        self,
+        tensor: str,
+        expected: str,
+        found: str,
+        *,
+        path: str | None = None,
+        message: str | None = None,
+    ):
         super().__init__(
-            f"digest mismatch for tensor {tensor!r}{f' from {path}' if path else ''}: "
+            message
+            or f"digest mismatch for tensor {tensor!r}{f' from {path}' if path else ''}: "
             f"expected {expected}, found {found}; nothing was applied"
         )
         self.tensor = tensor

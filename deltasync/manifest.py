@@ -7,9 +7,10 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from .codec.metadata import PROTOCOL, check_protocol, validate_run_id
+from .codec.metadata import PROTOCOL, ParsedFile, check_protocol, validate_run_id
 from .digest import bytes_digest
 from .errors import ChainError, FormatError, StoreError
+from .state_digest import StateDigest
 from .store import MissingFile, Store, validate_path
 
 __all__ = [
@@ -38,7 +39,11 @@ def metrics_path(run_id: str, version: int) -> str:
 
 @dataclass(frozen=True)
 class ChainEntry:
-    """One committed file: an anchor (full state at `version`) or a delta (`version - 1` -> it)."""
+    """One committed file: an anchor (full state at `version`) or a delta (`version - 1` -> it).
+
+    `state_digest` is the file's own full-state digest (the state after it), so a reader knows
+    it before downloading; None only for a file written with protocol 1.
+    """
 
     version: int
     kind: Literal["anchor", "delta"]
@@ -47,18 +52,22 @@ class ChainEntry:
     digest: str
     encoding: str
     changed_elements: int
+    state_digest: str | None = None
 
     @property
     def base_version(self) -> int | None:
         return self.version - 1 if self.kind == "delta" else None
 
     @classmethod
-    def from_dict(cls, raw: Any) -> ChainEntry:
-        if not isinstance(raw, dict) or set(raw) != {
-            f.name for f in cls.__dataclass_fields__.values()
-        }:
-            raise FormatError(f"manifest entry {raw!r} has the wrong keys")
+    def from_dict(cls, raw: Any, *, protocol: int = 2) -> ChainEntry:
+        keys = {f.name for f in cls.__dataclass_fields__.values()}
+        if protocol < 2:  # protocol 1 entries have no state digest
+            keys.discard("state_digest")
+        if not isinstance(raw, dict) or set(raw) != keys:
+            raise FormatError(f"manifest entry {raw!r} has the wrong keys, expected {sorted(keys)}")
         entry = cls(**raw)
+        if entry.state_digest is not None:
+            StateDigest.parse(entry.state_digest)
         ints = (entry.version, entry.bytes, entry.changed_elements)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
             raise FormatError(f"manifest entry {raw!r}: version, bytes, changed must be integers")
@@ -196,13 +205,18 @@ class Manifest:
             deltas=tuple(deltas),
             model_bytes=model_bytes,
             updated_at=time.time(),
+            protocol=PROTOCOL,  # a run resumed across an upgrade is written as this protocol
         )
 
     def referenced_paths(self) -> set[str]:
         return {e.path for e in (*self.anchors, *self.deltas)}
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1).encode()
+        raw = asdict(self)
+        if self.protocol == "deltasync/1":  # as read: its entries have no state digest
+            for entry in (*raw["anchors"], *raw["deltas"]):
+                del entry["state_digest"]
+        return json.dumps(raw, indent=1).encode()
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str = MANIFEST_PATH) -> Manifest:
@@ -217,7 +231,7 @@ class Manifest:
             raise FormatError(f"manifest is not JSON: {exc}", path=path) from None
         if not isinstance(raw, dict):
             raise FormatError(f"manifest is a JSON {type(raw).__name__}, not an object", path=path)
-        check_protocol(raw.get("protocol"), what="manifest", path=path)  # before its keys
+        protocol = check_protocol(raw.get("protocol"), what="manifest", path=path)  # first
         keys = {f.name for f in cls.__dataclass_fields__.values()}
         if set(raw) != keys:
             raise FormatError(f"manifest keys {sorted(raw)}, expected {sorted(keys)}", path=path)
@@ -233,8 +247,8 @@ class Manifest:
             manifest = cls(
                 run_id=raw["run_id"],
                 latest_version=raw["latest_version"],
-                anchors=tuple(ChainEntry.from_dict(a) for a in raw["anchors"]),
-                deltas=tuple(ChainEntry.from_dict(d) for d in raw["deltas"]),
+                anchors=tuple(ChainEntry.from_dict(a, protocol=protocol) for a in raw["anchors"]),
+                deltas=tuple(ChainEntry.from_dict(d, protocol=protocol) for d in raw["deltas"]),
                 model_bytes=raw["model_bytes"],
                 updated_at=float(raw["updated_at"]),
                 protocol=raw["protocol"],
@@ -271,12 +285,19 @@ def read_manifest(store: Store) -> Manifest | None:
 
 
 def fetch_entry(store: Store, entry: ChainEntry) -> bytes:
-    """Download a manifest entry and check its size and whole-file digest before parsing."""
+    """Download a manifest entry and check its size and whole-file digest before parsing, then
+    that the file's header promises the entry's full-state digest."""
     data = store.get(entry.path)
     if len(data) != entry.bytes or bytes_digest(data) != entry.digest:
         raise FormatError(
             f"file does not match the manifest ({len(data)} bytes, expected "
             f"{entry.bytes}, or digest differs)",
+            path=entry.path,
+        )
+    found = ParsedFile.parse(data, path=entry.path).meta.state_digest
+    if (found and found.hex()) != entry.state_digest:
+        raise FormatError(
+            f"file's state digest {found} differs from the manifest's {entry.state_digest}",
             path=entry.path,
         )
     return data

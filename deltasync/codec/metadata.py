@@ -10,11 +10,14 @@ from typing import Literal
 
 from ..digest import DIGEST_ALGORITHM
 from ..errors import FormatError
+from ..state_digest import ALGORITHM as STATE_DIGEST_ALGORITHM
+from ..state_digest import StateDigest
 from .header import SafetensorsHeader, parse_header, parse_header_bytes
 
 __all__ = [
     "ENCODINGS",
     "PROTOCOL",
+    "READABLE_PROTOCOLS",
     "FileMetadata",
     "ParsedFile",
     "TensorEntry",
@@ -23,7 +26,8 @@ __all__ = [
     "validate_run_id",
 ]
 
-PROTOCOL = "deltasync/1"  # bump on any change of the wire format (bucket_layout.md)
+PROTOCOL = "deltasync/2"  # bump on any change of the wire format (bucket_layout.md)
+READABLE_PROTOCOLS = ("deltasync/1", PROTOCOL)  # 1: before the full-state digest
 _PROTOCOL = re.compile(r"deltasync/([1-9][0-9]{0,5})")
 ENCODINGS = ("packed", "coo")  # delta encodings; anchors are "full"
 Kind = Literal["anchor", "delta"]
@@ -41,10 +45,11 @@ def validate_run_id(run_id: str) -> str:
     return run_id
 
 
-def check_protocol(found: object, *, what: str, path: str | None = None) -> None:
-    """Refuse a file or manifest of another protocol version with one line naming both."""
-    if found == PROTOCOL:
-        return
+def check_protocol(found: object, *, what: str, path: str | None = None) -> int:
+    """The protocol number of a file or manifest this reader can read; anything else is refused
+    with one line naming both versions."""
+    if found in READABLE_PROTOCOLS:
+        return int(str(found).split("/")[1])
     match = _PROTOCOL.fullmatch(found) if isinstance(found, str) else None
     if match and int(match.group(1)) > int(PROTOCOL.split("/")[1]):
         raise FormatError(
@@ -91,6 +96,7 @@ class FileMetadata:
     tensors: dict[str, TensorEntry]
     legacy: bool = False
     declared: tuple[int, int] | None = None  # TRL v1 delta: (total, changed) elements
+    state_digest: StateDigest | None = None  # the whole state after this file; None: protocol 1
 
     @property
     def total_elements(self) -> int:
@@ -111,6 +117,8 @@ class FileMetadata:
 
     def to_strings(self) -> dict[str, str]:
         """The safetensors `__metadata__` (strings only), including TRL v1's keys for `coo`."""
+        if self.state_digest is None:
+            raise ValueError("files are written with their full-state digest")
         changed = [n for n, e in self.tensors.items() if e.changed]
         out = {
             "protocol": PROTOCOL,
@@ -119,6 +127,8 @@ class FileMetadata:
             "kind": self.kind,
             "encoding": self.encoding,
             "digest_algorithm": DIGEST_ALGORITHM,
+            "state_digest_algorithm": STATE_DIGEST_ALGORITHM,
+            "state_digest": self.state_digest.hex(),
             "tensors": json.dumps(
                 {n: [list(e.shape), e.digest, e.changed] for n, e in self.tensors.items()},
                 separators=(",", ":"),
@@ -151,9 +161,15 @@ class FileMetadata:
     @classmethod
     def from_strings(cls, meta: dict[str, str], *, path: str | None = None) -> FileMetadata:
         """Parse and validate our metadata; raises `FormatError` naming the key that is wrong."""
-        check_protocol(meta.get("protocol"), what="file", path=path)
+        protocol = check_protocol(meta.get("protocol"), what="file", path=path)
         if meta.get("digest_algorithm") != DIGEST_ALGORITHM:
             raise FormatError(f"unsupported digest {meta.get('digest_algorithm')!r}", path=path)
+        state_digest = None
+        if protocol >= 2:
+            if meta.get("state_digest_algorithm") != STATE_DIGEST_ALGORITHM:
+                algorithm = meta.get("state_digest_algorithm")
+                raise FormatError(f"unsupported state digest {algorithm!r}", path=path)
+            state_digest = StateDigest.parse(meta.get("state_digest"), path=path)
         kind = _choice(meta, "kind", ("anchor", "delta"), path)
         encoding = _choice(
             meta, "encoding", ("full",) if kind == "anchor" else ("coo", "packed"), path
@@ -170,7 +186,8 @@ class FileMetadata:
             run_id = validate_run_id(meta.get("run_id", ""))
         except FormatError as exc:
             raise FormatError(str(exc), path=path) from None
-        return cls(run_id, version, base, kind, encoding, _tensor_entries(meta, path))
+        tensors = _tensor_entries(meta, path)
+        return cls(run_id, version, base, kind, encoding, tensors, state_digest=state_digest)
 
 
 def _choice(meta: dict[str, str], key: str, allowed: tuple[str, ...], path: str | None) -> str:

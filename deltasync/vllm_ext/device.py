@@ -14,6 +14,8 @@ import torch
 
 from ..errors import FormatError
 from ..replica import StagedFile
+from ..state_digest import StateDigest
+from ..state_hash import device_sum
 from .layout import build_layout, slot_view
 
 __all__ = ["InPlaceSink"]
@@ -68,6 +70,11 @@ class InPlaceSink:
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return _HostCopies(self._views)
+
+    def state_sums(self) -> dict[str, StateDigest]:
+        """Digests of the served parameters themselves, with tensor ops on their device (no
+        host copy; the same code on CPU, where the tests run it)."""
+        return {name: device_sum(name, view) for name, view in self._views.items()}
 
     def prepare(self, files: Sequence[StagedFile]) -> dict[str, torch.Tensor]:
         """Map an anchor's tensors onto the parameters (first anchor only; later ones have the

@@ -83,7 +83,10 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.info = init_info
         if self.state is None:
             self.state = Replica(
-                self._make_sink(), allow_legacy=init_info.allow_legacy, verify=init_info.verify
+                self._make_sink(),
+                allow_legacy=init_info.allow_legacy,
+                verify=init_info.verify,
+                recompute_every=init_info.recompute_every,
             )
         if isinstance(self.state.sink, ShadowSink):
             self.state.sink.prepack = init_info.prepack

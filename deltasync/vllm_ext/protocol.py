@@ -41,12 +41,16 @@ class InitInfo:
         prepack: CPU path: pack touched modules while serving so the pause only swaps them in
             (needs memory for one more copy of the touched weights); false reloads them in the
             pause. Can be changed by calling init again.
+        recompute_every: recompute the full-state digest over the served weights (while
+            serving) every this many versions, which catches bytes that changed without a
+            delta; 0: only at anchors.
     """
 
     bucket: str
     verify: bool = True
     allow_legacy: bool = False
     prepack: bool = True
+    recompute_every: int = 50
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket, str) or not self.bucket.strip():
@@ -54,6 +58,9 @@ class InitInfo:
         for name in ("verify", "allow_legacy", "prepack"):
             if not isinstance(getattr(self, name), bool):
                 raise FormatError(f"init_info.{name} must be true or false")
+        every = self.recompute_every
+        if not isinstance(every, int) or isinstance(every, bool) or not 0 <= every <= 10**6:
+            raise FormatError(f"init_info.recompute_every must be an integer >= 0, got {every!r}")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..replica import StagedFile, next_state
+from ..state_digest import StateDigest
+from ..state_hash import state_sums
 from .layout import module_groups
 from .swap import CpuGemmSwapper, PreparedModules
 
@@ -73,6 +75,10 @@ class ShadowSink:
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return self.shadow
+
+    def state_sums(self) -> dict[str, StateDigest]:
+        """Digests of the shadow (the packed modules are derived from it and not re-read)."""
+        return state_sums(self.shadow)
 
     def prepare(self, files: Sequence[StagedFile]) -> _NextShadow:
         """The next shadow (the replica's verified post-update copies); the modules packed for

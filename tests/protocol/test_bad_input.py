@@ -15,12 +15,18 @@ from deltasync.codec.header import MAX_HEADER_BYTES
 from deltasync.errors import ChainError, DeltaSyncError, DigestMismatch, FormatError
 from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot
+from deltasync.state_digest import total
+from deltasync.state_hash import apply_changes, state_sums
+
+
+def _base():
+    torch.manual_seed(0)
+    return {"a.weight": torch.randn(32, 16).bfloat16(), "b.bias": torch.randn(40).bfloat16()}
 
 
 @pytest.fixture
 def setup():
-    torch.manual_seed(0)
-    base = {"a.weight": torch.randn(32, 16).bfloat16(), "b.bias": torch.randn(40).bfloat16()}
+    base = _base()
     new = {k: v.clone() for k, v in base.items()}
     new["a.weight"].view(-1)[[0, 7, 300, 511]] += 1
     new["b.bias"][39] = -new["b.bias"][39]
@@ -31,7 +37,9 @@ def setup():
 
 
 def _delta(diff, encoding="packed", **kw):
-    args = {"run_id": "run", "version": 2, "base_version": 1} | kw
+    """A delta from the fixture's base, with the full-state digest the state after it has."""
+    digest = total(apply_changes(state_sums(_base()), diff.changes))
+    args = {"run_id": "run", "version": 2, "base_version": 1, "state_digest": digest} | kw
     return encode_delta(diff, encoding=encoding, **args)
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from deltasync.codec import decode, encode_anchor, encode_delta
 from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot
+from deltasync.state_hash import full_state_digest
 
 SPECIAL_BITS = [
     0x0000,
@@ -72,7 +73,10 @@ def test_delta_round_trips_bitwise(encoding, data):
     old, new = data
     snapshot = Bf16Snapshot({k: v.clone() for k, v in old.items()})
     diff = snapshot.diff(new)
-    blob = encode_delta(diff, run_id="run", version=2, base_version=1, encoding=encoding)
+    digest = full_state_digest(new)
+    blob = encode_delta(
+        diff, run_id="run", version=2, base_version=1, state_digest=digest, encoding=encoding
+    )
     decoded = decode(blob, base=old)
     for name in old:
         expected = np.flatnonzero(_bits(old[name]).ravel() != _bits(new[name]).ravel())
@@ -99,7 +103,10 @@ def test_zero_change_delta_is_valid_and_empty():
     t = {"w": torch.zeros(4, 4, dtype=torch.bfloat16)}
     diff = Bf16Snapshot(t).diff(t)
     for encoding in ("packed", "coo"):
-        blob = encode_delta(diff, run_id="run", version=2, base_version=1, encoding=encoding)
+        digest = full_state_digest(t)
+        blob = encode_delta(
+            diff, run_id="run", version=2, base_version=1, state_digest=digest, encoding=encoding
+        )
         decoded = decode(blob, base=t)
         assert decoded.changes == {}
         assert decoded.meta.sparsity == 1.0

@@ -46,18 +46,18 @@ def _with_protocol(data: bytes, protocol: str) -> bytes:
 def test_newer_file_is_refused_naming_both_versions():
     delta = next((FIXTURES / "bucket-packed").rglob("00000002-*.safetensors"))
     with pytest.raises(FormatError) as info:
-        ParsedFile.parse(_with_protocol(delta.read_bytes(), "deltasync/2"))
+        ParsedFile.parse(_with_protocol(delta.read_bytes(), "deltasync/3"))
     message = str(info.value)
-    assert "deltasync/2" in message and PROTOCOL in message and "upgrade" in message
+    assert "deltasync/3" in message and PROTOCOL in message and "upgrade" in message
     assert "\n" not in message
 
 
 def test_newer_manifest_is_refused_before_its_keys_are_checked():
     raw = json.loads((FIXTURES / "bucket-packed" / "manifest.json").read_bytes())
-    raw |= {"protocol": "deltasync/2", "fence": {"epoch": 3}}  # a field protocol 1 lacks
+    raw |= {"protocol": "deltasync/3", "fence": {"epoch": 3}}  # a field this reader lacks
     with pytest.raises(FormatError) as info:
         Manifest.from_json(json.dumps(raw).encode())
-    assert "deltasync/2" in str(info.value) and PROTOCOL in str(info.value)
+    assert "deltasync/3" in str(info.value) and PROTOCOL in str(info.value)
     assert "keys" not in str(info.value)
 
 
@@ -65,5 +65,5 @@ def test_newer_manifest_is_refused_before_its_keys_are_checked():
 def test_unknown_protocol_names_what_was_found(found):
     raw = json.loads((FIXTURES / "bucket-packed" / "manifest.json").read_bytes())
     raw["protocol"] = found
-    with pytest.raises(FormatError, match="this reader speaks deltasync/1"):
+    with pytest.raises(FormatError, match="this reader speaks deltasync/2"):
         Manifest.from_json(json.dumps(raw).encode())

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from deltasync.codec import encode_anchor, encode_delta
 from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot
+from deltasync.state_hash import full_state_digest
 
 
 def trl_v1_apply(path, snapshot: dict[str, torch.Tensor]) -> None:
@@ -49,7 +50,12 @@ def test_our_coo_files_are_read_by_a_trl_v1_reader(tmp_path):
         path = tmp_path / f"step_{version:06d}.safetensors"
         path.write_bytes(
             encode_delta(
-                diff, run_id="r", version=version, base_version=version - 1, encoding="coo"
+                diff,
+                run_id="r",
+                version=version,
+                base_version=version - 1,
+                state_digest=full_state_digest(state),
+                encoding="coo",
             )
         )
         snapshot.advance(diff)

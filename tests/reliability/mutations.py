@@ -77,6 +77,7 @@ META_STRINGS = st.one_of(
             "other",
             "../x",
             "deltasync/2",
+            "deltasync/3",
             "deltasync/1 ",
             "anchor",
             "delta",

@@ -19,6 +19,7 @@ from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig, SyncRecord
 from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot
+from deltasync.state_hash import full_state_digest
 from deltasync.store import Store
 
 RUN = "run"
@@ -77,7 +78,12 @@ def build_chain(
         diff = Bf16Snapshot({n: t.clone() for n, t in states[v - 1].items()}).diff(states[v])
         for encoding in ("packed", "coo"):
             deltas[encoding, v] = encode_delta(
-                diff, run_id=run_id, version=v, base_version=v - 1, encoding=encoding
+                diff,
+                run_id=run_id,
+                version=v,
+                base_version=v - 1,
+                state_digest=full_state_digest(states[v]),
+                encoding=encoding,
             )
     return Chain(run_id, states, anchors, deltas)
 

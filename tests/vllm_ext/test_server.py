@@ -408,6 +408,7 @@ def _tampered_manifest(trainer: Trainer, record: SyncRecord) -> bytes:
         run_id=RUN_ID,
         version=record.version,
         base_version=record.version - 1,
+        state_digest=parsed.meta.state_digest,
         encoding=record.encoding,
     )
     path = file_path(RUN_ID, "delta", record.version, bytes_digest(data))

@@ -100,7 +100,12 @@ def _reencoded(data: bytes, base: dict[str, torch.Tensor], *, run_id: str, wrong
     meta = parsed.meta
     diff = Diff(decoded.changes, digests, shapes)
     return encode_delta(
-        diff, run_id=run_id, version=meta.version, base_version=meta.version - 1, encoding="coo"
+        diff,
+        run_id=run_id,
+        version=meta.version,
+        base_version=meta.version - 1,
+        state_digest=meta.state_digest,
+        encoding="coo",
     )
 
 
