@@ -47,6 +47,8 @@ from deltasync.codec import encode_anchor, encode_delta
 from deltasync.digest import tensor_digest
 from deltasync.replica import Replica
 from deltasync.snapshot import WORKERS, Bf16Snapshot, Diff
+from deltasync.state_digest import total
+from deltasync.state_hash import apply_changes, state_sums
 
 from .memory import PeakRss
 from .output import report
@@ -168,6 +170,19 @@ def _payload_split(data: bytes) -> tuple[int, int]:
     return gaps, vals
 
 
+def _encode_delta(diff: Diff, sums, *, version: int, encoding: str) -> bytes:
+    """What the publisher does per version: move the full-state digest, encode the delta."""
+    digest = total(apply_changes(sums, diff.changes))
+    return encode_delta(
+        diff,
+        run_id=RUN_ID,
+        version=version,
+        base_version=version - 1,
+        state_digest=digest,
+        encoding=encoding,
+    )
+
+
 def _timed(fn, repeat: int):
     """(first call's result, best wall time, best CPU time (all threads) of `repeat` calls)."""
     best, cpu, result = math.inf, math.inf, None
@@ -224,7 +239,7 @@ def run(args: argparse.Namespace) -> dict:
     info: dict = {}
     rows = []
     load0 = os.getloadavg()
-    snap = rep_packed = rep_coo = None
+    snap = rep_packed = rep_coo = sums = None
     model_bytes = 0
     for step, state in bf16_states(
         args.model,
@@ -240,6 +255,7 @@ def run(args: argparse.Namespace) -> dict:
         if step == 0:
             model_bytes = sum(t.numel() * 2 for t in state.values())
             snap = Bf16Snapshot(_clone(state))
+            sums = state_sums(state)
             anchor = encode_anchor(state, run_id=RUN_ID, version=1)  # versions start at 1
             rep_packed = Replica()
             rep_packed.update(anchor)
@@ -252,9 +268,10 @@ def run(args: argparse.Namespace) -> dict:
         # what the trainer holds besides its snapshot (sampling itself only: no /proc walk)
         with PeakRss(psutil.Process(), 0.05, tree=False) as rss:
             diff, diff_s, diff_cpu = _timed(partial(snap.diff, state), args.repeat)
-            enc = partial(encode_delta, diff, run_id=RUN_ID, version=step + 1, base_version=step)
+            enc = partial(_encode_delta, diff, sums, version=step + 1)
             packed, enc_s, enc_cpu = _timed(partial(enc, encoding="packed"), args.repeat)
         coo, coo_enc_s, _ = _timed(partial(enc, encoding="coo"), args.repeat)
+        sums = apply_changes(sums, diff.changes)
         apply_first_s, stage_s, commit_s, apply_cpu = _update(rep_packed, packed, step, args.repeat)
         apply_s = stage_s + commit_s
         coo_apply_s = None

@@ -20,11 +20,12 @@ from functools import partial
 
 import psutil
 
-from deltasync.codec import encode_anchor, encode_delta
+from deltasync.codec import encode_anchor
 from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot
+from deltasync.state_hash import apply_changes, state_sums
 
-from .codec import _timed, _update
+from .codec import _encode_delta, _timed, _update
 from .memory import PeakRss
 from .realistic import SHAPES
 from .synthetic import synthetic_states
@@ -34,21 +35,23 @@ RUN_ID = "bench-scaling"
 
 def measure(model: str, *, density: float, steps: int, repeat: int) -> dict:
     rows = []
-    snap = replica = None
+    snap = replica = sums = None
     params = 0
     for step, state in synthetic_states(model, steps, density=density):
         if step == 0:
             params = sum(t.numel() for t in state.values())
             snap = Bf16Snapshot({n: t.clone() for n, t in state.items()})
+            sums = state_sums(state)
             replica = Replica()
             replica.update(encode_anchor(state, run_id=RUN_ID, version=1))
             continue
         gc.collect()
         with PeakRss(psutil.Process(), 0.05, tree=False) as rss:
             diff, diff_s, _ = _timed(partial(snap.diff, state), repeat)
-            enc = partial(encode_delta, diff, run_id=RUN_ID, version=step + 1, base_version=step)
+            enc = partial(_encode_delta, diff, sums, version=step + 1)
             packed, encode_s, _ = _timed(partial(enc, encoding="packed"), repeat)
         coo = enc(encoding="coo")
+        sums = apply_changes(sums, diff.changes)
         _, stage_s, commit_s, _ = _update(replica, packed, step, repeat)
         rows.append(
             {

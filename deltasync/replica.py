@@ -253,42 +253,68 @@ class Replica:
         shapes = self.sink.shapes()
         staged: list[StagedFile] = []
         sums, since = self._sums, self._since_recompute
+        recomputed = False
         for data, path in files:
-            parsed = ParsedFile.parse(data, path=path)
-            if parsed.meta.legacy:
-                if not self.allow_legacy:
-                    raise FormatError(
-                        "TRL v1 file without run id or digests; construct the Replica with "
-                        "allow_legacy=True to apply it unverified",
-                        path=path,
-                    )
-                parsed = parsed.normalised(run_id, version, shapes)
+            parsed = self._parse(data, path, run_id, version, shapes)
             meta = parsed.meta
             if meta.run_id == run_id and meta.version == version:
                 continue  # a version already held (a repeated notification)
             _check_chain(meta, run_id, version, shapes, path)
-            if meta.kind == "delta" and not staged and self._recompute_due(since):
+            on_held = meta.kind == "delta" and not staged
+            if on_held and self._recompute_due(since):
                 self._recompute()
-                since = 0
-            state = _StateAfter(self.sink.tensors(), staged)
-            decoded = decode(parsed, base=state)
-            after = _after(decoded, state, self.verify, self.sink.keeps_tensors, path)
+                since, recomputed = 0, True
+            try:
+                file, sums, since = self._stage(parsed, staged, sums, since)
+            except DigestMismatch:
+                if on_held and self.verify and self._sums is not None and not recomputed:
+                    self._recompute()  # held bytes that drifted explain it: name the tensor
+                raise
             if meta.kind == "anchor":
-                shapes = {n: tuple(t.shape) for n, t in decoded.tensors.items()}
-            if self.verify:
-                if sums is None and meta.kind == "delta":  # held while verification was off
-                    sums, since = self.sink.state_sums(), 0
-                sums, since = _sums_after(decoded, sums, since)
-                _check_state(meta, sums, path)
-            else:
-                sums = None
-            staged.append(StagedFile(meta, path, decoded, after))
+                shapes = {n: tuple(t.shape) for n, t in file.decoded.tensors.items()}
+            staged.append(file)
             run_id, version = meta.run_id, meta.version
         sink_state = self.sink.prepare(staged) if staged else None
         return PreparedUpdate(base, tuple(staged), sink_state, sums, since)
 
+    def _parse(
+        self, data: bytes, path: str | None, run_id: str | None, version: int | None, shapes: Shapes
+    ) -> ParsedFile:
+        parsed = ParsedFile.parse(data, path=path)
+        if not parsed.meta.legacy:
+            return parsed
+        if not self.allow_legacy:
+            raise FormatError(
+                "TRL v1 file without run id or digests; construct the Replica with "
+                "allow_legacy=True to apply it unverified",
+                path=path,
+            )
+        return parsed.normalised(run_id, version, shapes)
+
+    def _stage(
+        self,
+        parsed: ParsedFile,
+        staged: Sequence[StagedFile],
+        sums: Mapping[str, StateDigest] | None,
+        since: int,
+    ) -> tuple[StagedFile, Mapping[str, StateDigest] | None, int]:
+        """Decode one file against the state the staged ones lead to and verify it; returns it
+        with the per-tensor full-state digests after it."""
+        meta, path = parsed.meta, parsed.path
+        state = _StateAfter(self.sink.tensors(), staged)
+        decoded = decode(parsed, base=state)
+        after = _after(decoded, state, self.verify, self.sink.keeps_tensors, path)
+        if not self.verify:
+            return StagedFile(meta, path, decoded, after), None, 0
+        if sums is None and meta.kind == "delta":  # held while verification was off
+            sums, since = self.sink.state_sums(), 0
+        sums, since = _sums_after(decoded, sums, since)
+        _check_state(meta, sums, path)
+        return StagedFile(meta, path, decoded, after), sums, since
+
     def _recompute_due(self, since: int) -> bool:
-        return bool(self.verify and self.recompute_every and since >= self.recompute_every)
+        due = self.recompute_every and since >= self.recompute_every
+        return bool(self.verify and due and self._sums is not None)
 
     def _recompute(self) -> None:
         """Recompute the held state's digests and compare them with the running ones.
