@@ -4,6 +4,8 @@ newer file or manifest is refused with one line naming both versions."""
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,11 @@ from deltasync import Replica, open_store, read_manifest
 from deltasync.codec import PROTOCOL, ParsedFile, read_metadata
 from deltasync.errors import FormatError
 from deltasync.manifest import Manifest, fetch_entry
+from deltasync.publisher import Publisher, PublisherConfig
+from deltasync.state_hash import full_state_digest
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "protocol-1"
+FIXTURES_2 = Path(__file__).parents[1] / "fixtures" / "protocol-2"
 
 
 @pytest.mark.parametrize("encoding", ["packed", "coo"])
@@ -67,3 +72,52 @@ def test_unknown_protocol_names_what_was_found(found):
     raw["protocol"] = found
     with pytest.raises(FormatError, match="this reader speaks deltasync/2"):
         Manifest.from_json(json.dumps(raw).encode())
+
+
+@pytest.mark.parametrize("encoding", ["packed", "coo"])
+def test_protocol_2_buckets_replay_bitwise_with_their_state_digests(encoding):
+    """The files' state digests were computed when protocol 2 was introduced: a change of the
+    digest's definition (keys, primes, index or value mapping) fails here."""
+    store = open_store(str(FIXTURES_2 / f"bucket-{encoding}"))
+    manifest = read_manifest(store)
+    assert manifest.protocol == "deltasync/2" and manifest.latest_version == 4
+    replica = Replica()
+    first = min(manifest.anchors, key=lambda a: a.version)
+    replica.update(fetch_entry(store, first), path=first.path)
+    assert replica.state_digest.hex() == first.state_digest
+    for delta in manifest.deltas:
+        assert replica.update(fetch_entry(store, delta), path=delta.path)
+        assert replica.state_digest.hex() == delta.state_digest
+    anchor = safetensors.torch.load(fetch_entry(store, manifest.latest_anchor))
+    assert full_state_digest(anchor).hex() == manifest.latest_anchor.state_digest
+    assert full_state_digest(replica.tensors) == replica.state_digest
+
+
+def test_protocol_1_run_resumed_by_a_protocol_2_publisher(tmp_path):
+    """A run started before the upgrade goes on: its old entries keep no state digest, new
+    versions carry one, and a fresh replica replays the mixed chain."""
+    shutil.copytree(FIXTURES / "bucket-packed", tmp_path / "bucket")
+    store = open_store(str(tmp_path / "bucket"))
+    replica = Replica()
+    replica.sync(store)
+    state = {n: t.clone() for n, t in replica.tensors.items()}
+    with Publisher(store, PublisherConfig(run_id="fixture-packed", write_metrics=False)) as pub:
+        state["embed.weight"][0, 0] += 1
+        pub.publish(state).result(timeout=60)
+    manifest = read_manifest(store)
+    assert manifest.protocol == PROTOCOL and manifest.latest_version == 5
+    assert manifest.deltas[-1].state_digest is not None
+    assert all(d.state_digest is None for d in manifest.deltas[:-1])
+    fresh = Replica()
+    assert fresh.sync(store)[-1] == 5
+    assert fresh.state_digest.hex() == manifest.deltas[-1].state_digest
+    assert Manifest.from_json(manifest.to_json()) == manifest
+
+
+def test_manifest_entry_must_name_the_files_state_digest(tmp_path):
+    shutil.copytree(FIXTURES_2 / "bucket-packed", tmp_path / "bucket")
+    store = open_store(str(tmp_path / "bucket"))
+    manifest = read_manifest(store)
+    entry = replace(manifest.deltas[0], state_digest="0" * 32)
+    with pytest.raises(FormatError, match="state digest"):
+        fetch_entry(store, entry)
