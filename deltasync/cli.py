@@ -48,6 +48,7 @@ def _inspect(args: argparse.Namespace) -> int:
         "changed_elements": meta.changed_elements,
         "sparsity": round(meta.sparsity, 6),
         "legacy_trl_v1": meta.legacy,
+        "state_digest": meta.state_digest and meta.state_digest.hex(),
         "stored_tensors": len(header.tensors),
     }
     if args.json:
@@ -66,8 +67,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    """Replay every retained file from the oldest anchor; check each anchor against the replay."""
+    """Replay every retained file from the oldest anchor; check each anchor against the replay
+    and, at the end, the whole replayed state against its full-state digest."""
     Replica = import_tensor_side("deltasync.replica").Replica
+    full_state_digest = import_tensor_side("deltasync.state_hash").full_state_digest
 
     store = open_store(args.bucket)
     manifest = read_manifest(store)
@@ -85,9 +88,17 @@ def _verify(args: argparse.Namespace) -> int:
             data = fetch_entry(store, anchors[delta.version])
             meta, _ = read_metadata(lambda a, b, d=data: d[a:b], len(data))
             replica.check_digests(meta)
+    recomputed = full_state_digest(replica.tensors)
+    if replica.state_digest != recomputed:
+        raise FormatError(
+            f"replayed state has full-state digest {recomputed}, its files promised "
+            f"{replica.state_digest}",
+            path=args.bucket,
+        )
     print(
         f"ok: run {manifest.run_id}, versions {oldest.version}..{manifest.latest_version}, "
-        f"{len(manifest.anchors)} anchors and {len(manifest.deltas)} deltas verified"
+        f"{len(manifest.anchors)} anchors and {len(manifest.deltas)} deltas verified "
+        f"(state digest {recomputed})"
     )
     return 0
 

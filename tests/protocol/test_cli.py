@@ -15,6 +15,7 @@ from deltasync.cli import main
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
 from deltasync.snapshot import Bf16Snapshot
+from deltasync.state_hash import full_state_digest
 from deltasync.store import LocalStore
 
 
@@ -35,9 +36,11 @@ def bucket(tmp_path_factory):
 
 
 def test_verify_ok(bucket, capsys):
-    folder, _ = bucket
+    folder, states = bucket
     assert main(["verify", str(folder), "--quiet"]) == 0
-    assert "ok: run cli-run, versions 5..9" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ok: run cli-run, versions 5..9" in out
+    assert f"(state digest {full_state_digest(states[9])})" in out
 
 
 def test_replay_materialises_a_version_bitwise(bucket, tmp_path):
@@ -55,12 +58,13 @@ def test_replay_of_a_deleted_version_says_what_is_available(bucket, tmp_path, ca
 
 
 def test_inspect_json(bucket, capsys):
-    folder, _ = bucket
+    folder, states = bucket
     delta = sorted((folder / "runs/cli-run/deltas").iterdir())[-1]
     assert main(["inspect", str(delta), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["kind"] == "delta" and info["version"] == 9 and info["base_version"] == 8
     assert info["encoding"] == "packed" and 0 < info["sparsity"] < 1
+    assert info["state_digest"] == full_state_digest(states[9]).hex()
 
 
 def test_inspect_of_a_trl_v1_file_shows_its_own_counts(tmp_path, capsys):
