@@ -247,7 +247,8 @@ class Replica:
     def prepare(self, files: Sequence[tuple[bytes, str | None]]) -> PreparedUpdate:
         """Decode, check and verify `files` (data, path) in order, each against the state the
         previous ones lead to; then let the sink prepare. Nothing is mutated; raises on any
-        problem (`FormatError`, `ChainError`, `DigestMismatch`)."""
+        problem (`FormatError`, `ChainError`, `DigestMismatch`). The one exception: held bytes
+        found changed without a delta make the replica forget its version (see `_recompute`)."""
         base = (self.run_id, self.version)
         run_id, version = base
         shapes = self.sink.shapes()

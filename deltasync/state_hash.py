@@ -35,7 +35,7 @@ _DEVICE_CHUNK = 1 << 22
 
 
 @compiled
-def _fold(x, k):  # pragma: no cover - compiled; x < 2^63 -> below 2^31 + (k+1)k, same mod p
+def _fold(x, k):  # pragma: no cover - compiled; x < 2^63 -> below 2^31 + (2k+1)k, same mod p
     x = (x & _LOW31) + ((x >> 31) & _LOW32) * k
     return (x & _LOW31) + ((x >> 31) & _LOW32) * k
 
@@ -125,7 +125,8 @@ def tensor_sum(name: str, tensor: torch.Tensor, *, start: int = 0) -> StateDiges
 
 
 def indexed_sum(name: str, indices: torch.Tensor, values: torch.Tensor) -> StateDigest:
-    """The digest of elements at arbitrary global flat `indices` (int64) with bf16 `values`."""
+    """The digest of elements at arbitrary global flat `indices` (int64, below 2^50 as every
+    tensor is) with bf16 `values`."""
     if values.device.type != "cpu":
         return device_sum(name, values, index=indices)
     idx = indices.detach().reshape(-1).to(torch.int64).contiguous().numpy()

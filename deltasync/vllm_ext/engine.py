@@ -202,11 +202,13 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         state = self.state
         with self._lock:
             staging = {str(v): _future_state(f) for v, f in sorted(self._staging.items())}
+        digest = None if state is None else state.state_digest
         return {
             "bucket": self.info.bucket if self.info else None,
             "path": None if state is None else type(state.sink).__name__,
             "run_id": None if state is None else state.run_id,
             "version": None if state is None else state.version,
+            "state_digest": digest and digest.hex(),  # of the held version, as its files promised
             "staging": staging,
             "last_update": self.last_update,
         }

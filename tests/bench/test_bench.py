@@ -43,3 +43,14 @@ def test_synthetic_steps_move_the_requested_share_by_small_bit_steps():
             before[name] = tensor.clone()
         assert 0.015 < changed / total < 0.021
         assert 0.85 < moved / changed < 0.93
+
+
+def test_state_digest_bench_prints_the_three_passes(tmp_path, capsys):
+    from bench.state_digest import main as state_digest_main
+
+    out = tmp_path / "digest.json"
+    assert state_digest_main(["--model", "qwen3-tiny", "--repeat", "1", "--json", str(out)]) == 0
+    assert "| digest update |" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert set(result["rows"]) == {"xxh3 pass", "digest recompute", "digest update"}
+    assert 0.015 < result["density"] < 0.025 and result["changed"] > 0

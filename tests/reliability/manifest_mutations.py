@@ -63,6 +63,10 @@ ENTRY_VALUES = {
     "digest": st.one_of(st.sampled_from(["", "0" * 32, "../x", None, 7]), st.text(max_size=34)),
     "encoding": st.sampled_from(["packed", "coo", "full", "pickle", "", None]),
     "changed_elements": st.one_of(st.integers(-2, 10**4), st.sampled_from([*HUGE, None])),
+    "state_digest": st.one_of(
+        st.sampled_from(["0" * 32, "f" * 32, "F" * 32, "", None, 7, "0" * 31]),
+        st.text(alphabet="0123456789abcdef", min_size=32, max_size=32),
+    ),
 }
 
 

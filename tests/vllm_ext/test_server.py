@@ -230,10 +230,12 @@ def _sync(served: Served, record: SyncRecord) -> None:
 
 
 def test_late_replica_serves_version_15_bitwise(served):
-    assert read_manifest(served.trainer.store).latest_version == 15
+    manifest = read_manifest(served.trainer.store)
+    assert manifest.latest_version == 15
     _assert_serves(served, 15)
     status = served.client.status()
     assert status["run_id"] == RUN_ID and status["path"] == "ShadowSink"
+    assert status["state_digest"] == manifest.deltas[-1].state_digest
     assert status["last_update"]["files"][0].startswith(
         f"runs/{RUN_ID}/anchors/"
     )  # anchor + replay
