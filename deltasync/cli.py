@@ -68,7 +68,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     """Replay every retained file from the oldest anchor; check each anchor against the replay
-    and, at the end, the whole replayed state against its full-state digest."""
+    and, at the end, the whole replayed state against its full-state digest and the last file's
+    per-tensor digests."""
     Replica = import_tensor_side("deltasync.replica").Replica
     full_state_digest = import_tensor_side("deltasync.state_hash").full_state_digest
 
@@ -80,14 +81,16 @@ def _verify(args: argparse.Namespace) -> int:
     replica = Replica()
     replica.update(fetch_entry(store, oldest), path=oldest.path)
     anchors = {a.version: a for a in later_anchors}
+    last = oldest
     for delta in tqdm(
         manifest.deltas_after(oldest.version), desc="verify", unit="version", disable=args.quiet
     ):
         replica.update(fetch_entry(store, delta), path=delta.path)
-        if delta.version in anchors:
-            data = fetch_entry(store, anchors[delta.version])
-            meta, _ = read_metadata(lambda a, b, d=data: d[a:b], len(data))
-            replica.check_digests(meta)
+        last = anchors.get(delta.version, delta)
+        if last is not delta:
+            _check_against(replica, fetch_entry(store, last))
+    if last.kind == "delta":
+        _check_against(replica, fetch_entry(store, last))
     recomputed = full_state_digest(replica.tensors)
     if replica.state_digest != recomputed:
         raise FormatError(
@@ -101,6 +104,12 @@ def _verify(args: argparse.Namespace) -> int:
         f"(state digest {recomputed})"
     )
     return 0
+
+
+def _check_against(replica, data: bytes) -> None:
+    """The replayed state against a file's per-tensor digests (xxh3 of every tensor)."""
+    meta, _ = read_metadata(lambda a, b: data[a:b], len(data))
+    replica.check_digests(meta)
 
 
 def _replay(args: argparse.Namespace) -> int:

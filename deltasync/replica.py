@@ -204,8 +204,9 @@ class Replica:
         sink: where the tensors live (default: a `DictSink`).
         allow_legacy: accept TRL v1 files, which carry no run, base version or digests (their
             base is assumed to be the version held, and nothing can be verified).
-        verify: check the post-update digests of every touched tensor and of the whole state
-            before committing.
+        verify: check every file before committing: the full-state digest, and the per-tensor
+            digests of an anchor's tensors (of a protocol 1 delta's touched tensors, which
+            carries no full-state digest).
         recompute_every: recompute the full-state digest over the held state (while serving)
             before the first delta applied this many versions after the last full pass; 0: only
             at anchors.
@@ -304,7 +305,10 @@ class Replica:
         meta, path = parsed.meta, parsed.path
         state = _StateAfter(self.sink.tensors(), staged)
         decoded = decode(parsed, base=state)
-        after = _after(decoded, state, self.verify, self.sink.keeps_tensors, path)
+        # A delta with a full-state digest is verified by it in O(changed); whole-tensor hashes
+        # check anchors and protocol 1 deltas.
+        per_tensor = meta.kind == "anchor" or meta.state_digest is None
+        after = _after(decoded, state, self.verify and per_tensor, self.sink.keeps_tensors, path)
         if not self.verify:
             return StagedFile(meta, path, decoded, after), None, 0
         if sums is None and meta.kind == "delta":  # held while verification was off

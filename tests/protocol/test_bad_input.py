@@ -163,15 +163,25 @@ def test_zstd_bomb_is_refused(setup):
     assert "at most" in _refused(replica, _rewrite(_delta(diff), mutate), FormatError)
 
 
-def test_digest_mismatch_rolls_back(setup):
+def test_state_digest_mismatch_rolls_back(setup):
     replica, diff = setup
+
+    def mutate(_, metadata):
+        metadata["state_digest"] = "0" * 32
+
+    _refused(replica, _rewrite(_delta(diff), mutate), DigestMismatch)
+
+
+def test_anchor_tensor_digest_mismatch_names_the_tensor():
+    anchor = encode_anchor(_base(), run_id="run", version=1)
 
     def mutate(_, metadata):
         entries = json.loads(metadata["tensors"])
         entries["b.bias"][1] = "0" * 32
         metadata["tensors"] = json.dumps(entries)
 
-    _refused(replica, _rewrite(_delta(diff), mutate), DigestMismatch)
+    with pytest.raises(DigestMismatch, match=r"b\.bias"):
+        Replica().update(_rewrite(anchor, mutate))
 
 
 def test_wrong_base_version_and_other_run(setup):

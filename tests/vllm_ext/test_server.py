@@ -389,34 +389,37 @@ def test_failed_updates_keep_serving_the_previous_version(served):
 
 
 def _tampered_manifest(trainer: Trainer, record: SyncRecord) -> bytes:
-    """The bucket's manifest with `record`'s delta replaced by a copy whose first changed tensor
-    promises a wrong digest; the file itself is consistent with that manifest entry."""
+    """The bucket's manifest with `record`'s delta replaced by a copy that promises a wrong
+    full-state digest; the file itself is consistent with that manifest entry."""
     from dataclasses import replace
 
     from deltasync.changes import Diff
     from deltasync.codec import ParsedFile, decode, encode_delta
     from deltasync.digest import bytes_digest
     from deltasync.manifest import MANIFEST_PATH, Manifest, file_path
+    from deltasync.state_digest import StateDigest
 
     good = trainer.store.get(MANIFEST_PATH)
     manifest = Manifest.from_json(good)
     parsed = ParsedFile.parse(trainer.store.get(record.delta_path))
     changes = decode(parsed, base=_state_before(trainer, record)).changes
     digests = {n: e.digest for n, e in parsed.meta.tensors.items()}
-    digests[next(iter(changes))] = "0" * 32
     shapes = {n: e.shape for n, e in parsed.meta.tensors.items()}
+    wrong = parsed.meta.state_digest + StateDigest((0, 0, 0, 1))
     data = encode_delta(
         Diff(changes, digests, shapes),
         run_id=RUN_ID,
         version=record.version,
         base_version=record.version - 1,
-        state_digest=parsed.meta.state_digest,
+        state_digest=wrong,
         encoding=record.encoding,
     )
     path = file_path(RUN_ID, "delta", record.version, bytes_digest(data))
     trainer.store.put(path, data)
     entry = next(d for d in manifest.deltas if d.version == record.version)
-    bad = replace(entry, path=path, bytes=len(data), digest=bytes_digest(data))
+    bad = replace(
+        entry, path=path, bytes=len(data), digest=bytes_digest(data), state_digest=wrong.hex()
+    )
     deltas = tuple(bad if d is entry else d for d in manifest.deltas)
     trainer.store.publish(MANIFEST_PATH, replace(manifest, deltas=deltas).to_json())
     return good

@@ -27,6 +27,8 @@ from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
 from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot
+from deltasync.state_digest import StateDigest
+from deltasync.state_hash import full_state_digest
 from deltasync.store import open_store
 from deltasync.vllm_ext.device import InPlaceSink
 from deltasync.vllm_ext.shadow import ShadowSink, vllm_reloader
@@ -69,6 +71,7 @@ STEPS = [
 class Chain:
     files: dict[str, bytes]
     digests: dict[int, dict[str, str]]  # version -> the trainer's bf16 digests
+    state_digests: dict[int, StateDigest]  # version -> the trainer's full-state digest
     model_dir: Path
     vocab: int
 
@@ -89,13 +92,14 @@ def _partial_step(trainer) -> None:
         params["model.embed_tokens.weight"][[0, vocab - 1]] = 0.5
 
 
-def _reencoded(data: bytes, base: dict[str, torch.Tensor], *, run_id: str, wrong: str = ""):
-    """The same delta re-encoded with another run id or one tensor's digest wrong."""
+def _reencoded(data: bytes, base: dict[str, torch.Tensor], *, run_id: str, wrong: bool = False):
+    """The same delta re-encoded with another run id or promising another full state."""
     parsed = ParsedFile.parse(data)
     decoded = decode(parsed, base=base)
     digests = {n: e.digest for n, e in parsed.meta.tensors.items()}
+    state_digest = parsed.meta.state_digest
     if wrong:
-        digests[wrong] = "0" * 32
+        state_digest = state_digest + StateDigest((1, 0, 0, 0))
     shapes = {n: e.shape for n, e in parsed.meta.tensors.items()}
     meta = parsed.meta
     diff = Diff(decoded.changes, digests, shapes)
@@ -104,7 +108,7 @@ def _reencoded(data: bytes, base: dict[str, torch.Tensor], *, run_id: str, wrong
         run_id=run_id,
         version=meta.version,
         base_version=meta.version - 1,
-        state_digest=meta.state_digest,
+        state_digest=state_digest,
         encoding="coo",
     )
 
@@ -142,8 +146,7 @@ def _build_chain(tmp: Path, vocab: int, tie: bool) -> Chain:
     trl_v1_write(tmp / "legacy.safetensors", 6, states[5], states[6])
     files["legacy_d6"] = (tmp / "legacy.safetensors").read_bytes()
     files["other_run_d4"] = _reencoded(files["d4"], states[3], run_id="another-run")
-    changed = next(iter(ParsedFile.parse(files["d4"]).header.tensors)).rpartition(".")[0]
-    files["bad_digest_d4"] = _reencoded(files["d4"], states[3], run_id=RUN, wrong=changed)
+    files["bad_digest_d4"] = _reencoded(files["d4"], states[3], run_id=RUN, wrong=True)
     files["truncated_d5"] = files["d5"][: len(files["d5"]) - 9]
     other = tiny_qwen3_config(vocab, tie=tie)
     other.intermediate_size = 256
@@ -153,7 +156,8 @@ def _build_chain(tmp: Path, vocab: int, tie: bool) -> Chain:
     other_state = Bf16Snapshot.capture(Qwen3ForCausalLM(other)).tensors
     files["other_model_a1"] = encode_anchor(other_state, run_id="another-model", version=1)
     digests = {v: Bf16Snapshot(s).digests() for v, s in states.items()}
-    return Chain(files, digests, tmp / "model", vocab)
+    state_digests = {v: full_state_digest(s) for v, s in states.items()}
+    return Chain(files, digests, state_digests, tmp / "model", vocab)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -226,9 +230,25 @@ def _run(chain: Chain, make) -> list[tuple[str, object, int | None]]:
         if replica.version is not None:
             assert replica.digests() == chain.digests[replica.version], step.name
             assert replica.run_id == RUN
+            assert replica.state_digest == chain.state_digests[replica.version], step.name
+            assert replica.sink.state_sums() == replica.state_sums, step.name  # where it lives
         served_checks()
         outcomes.append((step.name, result, replica.version))
+    _drift_is_seen_by_the_sinks_own_recompute(replica)
     return outcomes
+
+
+def _drift_is_seen_by_the_sinks_own_recompute(replica: Replica) -> None:
+    """One element of a fused member changed behind the replica's back (in the parameter itself
+    for the in-place sink): the sink's full recompute differs in exactly that tensor."""
+    name = "model.layers.0.self_attn.k_proj.weight"
+    sink = replica.sink
+    held = {InPlaceSink: lambda: sink.views, ShadowSink: lambda: sink.shadow}.get(
+        type(sink), lambda: sink.state
+    )()
+    held[name].view(-1).view(torch.int16)[3] ^= 1
+    found = sink.state_sums()
+    assert {n for n, s in found.items() if s != replica.state_sums[n]} == {name}
 
 
 def _vllm_context(replica: Replica) -> AbstractContextManager:
