@@ -72,7 +72,8 @@ def _indexed_lane(bits, indices, a, a_hi, g, b, k):  # pragma: no cover - compil
     for j in range(bits.size):
         i = indices[j]
         w = (np.int64(bits[j]) & 0xFFFF) + 1
-        x = (a & _LOW32) * (i & _LOW31) + a_hi * (i >> 31) + g + (b & _LOW32) * w
+        hi = (i >> 31) & _LOW32  # i < 2^50
+        x = (a & _LOW32) * (i & _LOW31) + (a_hi & _LOW32) * hi + g + (b & _LOW32) * w
         s += _cube(_fold(x, k), k)
     return s
 
@@ -83,6 +84,29 @@ def _indexed_sums(bits, indices, keys, out):  # pragma: no cover - compiled
     out[1] = _indexed_lane(bits, indices, keys[1, 0], keys[1, 1], keys[1, 2], keys[1, 3], 99)
     out[2] = _indexed_lane(bits, indices, keys[2, 0], keys[2, 1], keys[2, 2], keys[2, 3], 105)
     out[3] = _indexed_lane(bits, indices, keys[3, 0], keys[3, 1], keys[3, 2], keys[3, 3], 159)
+
+
+@compiled
+def _moved_lane(indices, new, old, a, a_hi, g, b, k):  # pragma: no cover - compiled
+    """Sum of h(new) - h(old) at the same indices: the index part is computed once."""
+    s = np.int64(0)
+    for j in range(indices.size):
+        i = indices[j]
+        hi = (i >> 31) & _LOW32
+        base = _fold((a & _LOW32) * (i & _LOW31) + (a_hi & _LOW32) * hi + g, k)
+        w_new = (np.int64(new[j]) & 0xFFFF) + 1
+        w_old = (np.int64(old[j]) & 0xFFFF) + 1
+        s += _cube(_fold(base + (b & _LOW32) * w_new, k), k)
+        s -= _cube(_fold(base + (b & _LOW32) * w_old, k), k)
+    return s
+
+
+@compiled
+def _moved_sums(indices, new, old, keys, out):  # pragma: no cover - compiled
+    out[0] = _moved_lane(indices, new, old, keys[0, 0], keys[0, 1], keys[0, 2], keys[0, 3], 69)
+    out[1] = _moved_lane(indices, new, old, keys[1, 0], keys[1, 1], keys[1, 2], keys[1, 3], 99)
+    out[2] = _moved_lane(indices, new, old, keys[2, 0], keys[2, 1], keys[2, 2], keys[2, 3], 105)
+    out[3] = _moved_lane(indices, new, old, keys[3, 0], keys[3, 1], keys[3, 2], keys[3, 3], 159)
 
 
 def _keys(name: str) -> np.ndarray:
@@ -142,10 +166,23 @@ def indexed_sum(name: str, indices: torch.Tensor, values: torch.Tensor) -> State
 
 
 def change_sum(name: str, change: TensorChange) -> StateDigest:
-    """How one tensor's digest moves under a change: new values in, previous values out."""
-    return indexed_sum(name, change.indices, change.values) - indexed_sum(
-        name, change.indices, change.previous
-    )
+    """How one tensor's digest moves under a change: new values in, previous values out (one
+    compiled pass for CPU tensors)."""
+    if change.values.device.type != "cpu":
+        return indexed_sum(name, change.indices, change.values) - indexed_sum(
+            name, change.indices, change.previous
+        )
+    idx = change.indices.reshape(-1).to(torch.int64).contiguous().numpy()
+    new, old = _bits(change.values), _bits(change.previous)
+    if not idx.size == new.size == old.size:
+        raise ValueError(f"{idx.size} indices for {new.size} values, {old.size} previous")
+    out = np.zeros(4, np.int64)
+    sums = [0, 0, 0, 0]
+    for pos in range(0, idx.size, 1 << 29):  # keeps the signed accumulators in range
+        part = slice(pos, pos + (1 << 29))
+        _moved_sums(idx[part], new[part], old[part], _keys(name), out)
+        sums = [s + int(v) for s, v in zip(sums, out, strict=True)]
+    return StateDigest.of(sums)
 
 
 def apply_changes(
