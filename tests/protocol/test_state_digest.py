@@ -17,6 +17,7 @@ from deltasync.errors import FormatError
 from deltasync.state_digest import PRIMES, StateDigest, tensor_keys, total
 from deltasync.state_hash import (
     apply_changes,
+    change_sum,
     device_sum,
     indexed_sum,
     state_sums,
@@ -62,6 +63,9 @@ def test_matches_the_definition_across_the_2_pow_31_index_boundary():
     expected = reference("w", idx.tolist(), bits)
     assert indexed_sum("w", idx, t) == expected
     assert device_sum("w", t, index=idx) == expected
+    previous = random_bf16(rng, 3000)
+    moved = expected - reference("w", idx.tolist(), previous.view(torch.int16).tolist())
+    assert change_sum("w", TensorChange(idx, t, previous)) == moved
 
 
 def test_empty_tensor_is_zero_and_names_are_keys():
