@@ -54,3 +54,13 @@ def test_state_digest_bench_prints_the_three_passes(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert set(result["rows"]) == {"xxh3 pass", "digest recompute", "digest update"}
     assert 0.015 < result["density"] < 0.025 and result["changed"] > 0
+
+
+def test_gpu_digest_check_runs_on_cpu_tensors(tmp_path):
+    """The device check (prepared for a lent GPU) with `--device cpu`: the same checks pass."""
+    from bench.gpu_digest import main as gpu_digest_main
+
+    out = tmp_path / "gpu.json"
+    assert gpu_digest_main(["--device", "cpu", "--model", "qwen3-tiny", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["checks"] == "ok" and 0.015 < result["density"] < 0.025

@@ -1,0 +1,122 @@
+"""The full-state digest on a torch device: bit for bit against the compiled CPU loops, and what a
+full pass and an O(changed) update cost there (the GPU replica's recompute and per-version move).
+
+    PYTHONPATH=. python -m bench.gpu_digest                          # cuda, qwen3-0.6b shape
+    PYTHONPATH=. python -m bench.gpu_digest --device cpu --model qwen3-tiny   # what CI can run
+
+Needs torch, numpy, numba, xxhash and transformers (for the shapes, on the meta device) only:
+it runs on a bare GPU machine from the repository root. Checks, each one failing loudly:
+- every tensor's digest on the device equals the compiled loops' on a host copy;
+- slices as a tensor-parallel rank holds them (row halves, column halves by index) add up;
+- elements past flat index 2^31 (a start offset) hash as on the host;
+- an O(changed) update on the device equals a recompute after the change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from deltasync.changes import TensorChange
+from deltasync.state_digest import total
+from deltasync.state_hash import apply_changes, device_sum, state_sums, tensor_sum
+
+from .realistic import SHAPES
+from .synthetic import parameter_shapes
+
+__all__ = ["main"]
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - t0
+
+
+def _random_bf16(shape: tuple[int, ...], device: torch.device, gen: torch.Generator):
+    bits = torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16, generator=gen)
+    return bits.to(device).view(torch.bfloat16)
+
+
+def run(model: str, device: torch.device, density: float) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    state = {n: _random_bf16(s, device, gen) for n, s in parameter_shapes(model).items()}
+    elements = sum(t.numel() for t in state.values())
+    on_device, full_s = _timed(lambda: {n: device_sum(n, t) for n, t in state.items()}, device)
+    host = {n: t.cpu() for n, t in state.items()}
+    on_host, host_s = _timed(lambda: state_sums(host), torch.device("cpu"))
+    assert on_device == on_host, "device digests differ from the compiled loops"
+
+    name, tensor = max(state.items(), key=lambda item: item[1].numel())
+    rows, cols = tensor.shape[0], tensor.numel() // tensor.shape[0]
+    halves = [
+        device_sum(name, tensor[: rows // 2]),
+        device_sum(name, tensor[rows // 2 :], start=(rows // 2) * cols),
+    ]
+    index = torch.arange(tensor.numel(), device=device).view(rows, cols)
+    columns = [
+        device_sum(name, tensor.view(rows, cols)[:, c], index=index[:, c])
+        for c in (slice(0, cols // 2), slice(cols // 2, cols))
+    ]
+    assert total(halves) == total(columns) == on_device[name], "partitions do not add up"
+    far = 2**31 + 12345
+    assert device_sum(name, tensor[:1000], start=far) == tensor_sum(
+        name, host[name][:1000], start=far
+    )
+
+    changes = {}
+    after = {}
+    for n, t in state.items():
+        count = max(1, int(density * t.numel()))
+        idx = torch.randperm(t.numel(), generator=gen)[:count].sort().values.to(device)
+        new = _random_bf16((count,), device, gen)
+        old = t.reshape(-1)[idx]
+        keep = new.view(torch.int16) != old.view(torch.int16)
+        changes[n] = TensorChange(idx[keep], new[keep], old[keep])
+        moved = t.clone()
+        moved.view(-1)[idx[keep]] = new[keep]
+        after[n] = moved
+    changed = sum(c.indices.numel() for c in changes.values())
+    updated, update_s = _timed(lambda: apply_changes(on_device, changes), device)
+    assert updated == {n: device_sum(n, t) for n, t in after.items()}, "update != recompute"
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": model,
+        "elements": elements,
+        "changed": changed,
+        "density": changed / elements,
+        "full_pass_s": full_s,
+        "host_compiled_full_pass_s": host_s,
+        "update_s": update_s,
+        "checks": "ok",
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_digest", description=__doc__)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
+    p.add_argument("--density", type=float, default=0.02)
+    p.add_argument("--json", default=None, help="also write the result here")
+    args = p.parse_args(argv)
+    result = run(args.model, torch.device(args.device), args.density)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
