@@ -168,7 +168,13 @@ def _train(shared: Path, model: Path, url: str, env: str, env_url: str) -> list[
     assert all(s["ok"] and s["attempts"] == 1 for r in records for s in r["replicas"].values())
     assert any(r["reward_mean"] is not None for r in records)
     lines = (line.strip() for line in text.splitlines())  # tqdm pads TRL's logged dicts
-    logged = [ast.literal_eval(line) for line in lines if line.startswith("{'loss'")]
+    # Another process's log line can land right after a dict, before its newline: keep the
+    # dict only (it holds no nested braces).
+    logged = [
+        ast.literal_eval(line[: line.index("}") + 1])
+        for line in lines
+        if line.startswith("{'loss'")
+    ]
     assert len(logged) == STEPS, text[-3000:]
     keys = ("reward", f"rewards/{ENVIRONMENTS[env].__name__}", "tools/call_frequency")
     keys += ("tools/failure_frequency",)
