@@ -107,7 +107,7 @@ class ReplicaClient:
 
     # -- weight sync ---------------------------------------------------------------------------
 
-    def init(self, bucket: str, **options: bool) -> None:
+    def init(self, bucket: str, **options: bool | int) -> None:
         """Point the backend at a bucket (credentials stay in the server's environment)."""
         self.request(
             "POST", "/init_weight_transfer_engine", {"init_info": {"bucket": bucket, **options}}

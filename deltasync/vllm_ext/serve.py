@@ -60,6 +60,14 @@ def _parser() -> argparse.ArgumentParser:
         help="CPU: reload touched modules inside the pause instead of packing them while "
         "serving (saves one copy of the touched weights in memory)",
     )
+    p.add_argument(
+        "--recompute-every",
+        type=int,
+        default=50,
+        metavar="N",
+        help="recompute the full-state digest over the served weights every N versions, which "
+        "catches weights that changed without an update (default 50; 0: at anchors only)",
+    )
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then arguments for vLLM")
     return p
 
@@ -124,9 +132,11 @@ def _wait_healthy(client: ReplicaClient, proc: subprocess.Popen, timeout_s: floa
     raise DeltaSyncError(f"vLLM not healthy after {timeout_s:.0f}s")
 
 
-def bootstrap(client: ReplicaClient, bucket: str, *, prepack: bool = True) -> int | None:
+def bootstrap(
+    client: ReplicaClient, bucket: str, *, prepack: bool = True, recompute_every: int = 50
+) -> int | None:
     """Point the server at the bucket and catch up with its latest version (None: empty)."""
-    client.init(bucket, prepack=prepack)
+    client.init(bucket, prepack=prepack, recompute_every=recompute_every)
     manifest = read_manifest(open_store(bucket))
     if manifest is None:
         log.info("bucket %s is empty: serving nothing until the first version arrives", bucket)
@@ -166,7 +176,10 @@ def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.recompute_every < 0:
+        parser.error("--recompute-every must be >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     token = os.environ.get(TOKEN_ENV, "")
@@ -210,10 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     client = ReplicaClient(f"http://{host}:{args.port}", token or None)
     try:
         _wait_healthy(client, proc, args.startup_timeout)
+        options = {"prepack": not args.no_prepack, "recompute_every": args.recompute_every}
         if args.bucket and not args.no_bootstrap:
-            bootstrap(client, args.bucket, prepack=not args.no_prepack)
+            bootstrap(client, args.bucket, **options)
         elif args.bucket:
-            client.init(args.bucket, prepack=not args.no_prepack)
+            client.init(args.bucket, **options)
         log.info(
             "ready on %s:%d (weight version %s)", args.host, args.port, client.weight_version()
         )

@@ -22,6 +22,10 @@ def test_messages_are_validated():
         InitInfo(bucket="/tmp/b", verify="yes")
     with pytest.raises(FormatError, match="prepack"):
         InitInfo(bucket="/tmp/b", prepack=0)
+    for bad in (-1, True, 1.5, "5", 10**7):
+        with pytest.raises(FormatError, match="recompute_every"):
+            InitInfo(bucket="/tmp/b", recompute_every=bad)
+    assert InitInfo(bucket="/tmp/b", recompute_every=0).recompute_every == 0
 
 
 def test_credentials_never_come_from_a_request():
