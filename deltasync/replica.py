@@ -269,7 +269,7 @@ class Replica:
             try:
                 file, sums, since = self._stage(parsed, staged, sums, since)
             except DigestMismatch:
-                if on_held and self.verify and self._sums is not None and not recomputed:
+                if on_held and self.verify and not recomputed:
                     self._recompute()  # held bytes that drifted explain it: name the tensor
                 raise
             if meta.kind == "anchor":
@@ -328,8 +328,12 @@ class Replica:
             DigestMismatch: a tensor's bytes changed without a delta; the replica then forgets
                 its version (its state is no version of the run), so the next update reloads.
         """
-        running = self._sums or {}
+        running = self._sums
+        if running is None:
+            return  # nothing verified to compare with
         found = self.sink.state_sums()
+        if self._sums is not running:
+            return  # a commit moved the state meanwhile; it also refuses this prepare's base
         for name in sorted(set(running) | set(found)):
             if running.get(name) != found.get(name):
                 expected, held = running.get(name), found.get(name)
@@ -450,9 +454,10 @@ def _sums_after(
     decoded: DecodedFile, sums: Mapping[str, StateDigest] | None, since: int
 ) -> tuple[Mapping[str, StateDigest], int]:
     """Per-tensor full-state digests after a file: a full pass over an anchor, O(changed) for a
-    delta (from its changed elements' previous and new values)."""
-    if decoded.meta.kind == "anchor" or sums is None:
+    delta (from its changed elements' previous and new values; `sums` are the base's)."""
+    if decoded.meta.kind == "anchor":
         return state_sums(decoded.tensors), 0
+    assert sums is not None  # `_stage` computes them for a delta on a state held unverified
     return apply_changes(sums, decoded.changes), since + 1
 
 

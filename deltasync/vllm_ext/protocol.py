@@ -60,7 +60,9 @@ class InitInfo:
                 raise FormatError(f"init_info.{name} must be true or false")
         every = self.recompute_every
         if not isinstance(every, int) or isinstance(every, bool) or not 0 <= every <= 10**6:
-            raise FormatError(f"init_info.recompute_every must be an integer >= 0, got {every!r}")
+            raise FormatError(
+                f"init_info.recompute_every must be an integer 0..1000000, got {every!r}"
+            )
 
 
 @dataclass(frozen=True)
