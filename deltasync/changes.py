@@ -36,7 +36,8 @@ class Diff:
     """What changed between the last published snapshot and the current weights.
 
     `changes` holds only tensors with at least one changed element; `digests` covers every tensor
-    (the post-update bf16 bytes) so a reader can verify the full state after applying.
+    (the post-update bf16 bytes) so a reader can verify the full state after applying; it is
+    empty for a rank's blocks of sharded parameters, which are no whole tensors.
     """
 
     changes: dict[str, TensorChange]

@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from .codec.metadata import PROTOCOL, ParsedFile, check_protocol, validate_run_id
+from .codec.metadata import MAX_PARTS, PROTOCOL, ParsedFile, check_protocol, validate_run_id
 from .digest import bytes_digest
 from .errors import ChainError, FormatError, StoreError
 from .state_digest import StateDigest
@@ -16,7 +16,9 @@ from .store import MissingFile, Store, validate_path
 __all__ = [
     "MANIFEST_PATH",
     "ChainEntry",
+    "FileData",
     "Manifest",
+    "PartRef",
     "fetch_entry",
     "file_path",
     "metrics_path",
@@ -25,12 +27,17 @@ __all__ = [
 
 MANIFEST_PATH = "manifest.json"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+FileData = bytes | tuple[bytes, ...]  # one file, or the parts of a sharded version in order
 
 
-def file_path(run_id: str, kind: str, version: int, digest: str) -> str:
-    """`runs/<run>/<anchors|deltas>/<version>-<digest12>.safetensors`: never reused."""
+def file_path(
+    run_id: str, kind: str, version: int, digest: str, part: tuple[int, int] | None = None
+) -> str:
+    """`runs/<run>/<anchors|deltas>/<version>-<digest12>.safetensors`: never reused; part
+    `i` of `n` of a sharded version: `<version>-part<i>of<n>-<digest12>.safetensors`."""
     folder = {"anchor": "anchors", "delta": "deltas"}[kind]
-    return f"runs/{run_id}/{folder}/{version:08d}-{digest[:12]}.safetensors"
+    share = "" if part is None else f"part{part[0]}of{part[1]}-"
+    return f"runs/{run_id}/{folder}/{version:08d}-{share}{digest[:12]}.safetensors"
 
 
 def metrics_path(run_id: str, version: int) -> str:
@@ -38,34 +45,88 @@ def metrics_path(run_id: str, version: int) -> str:
 
 
 @dataclass(frozen=True)
+class PartRef:
+    """One stored file of a version: its path, size, xxh3-128 and full-state digest (for a
+    part of a sharded version, its share of the version's)."""
+
+    path: str
+    bytes: int
+    digest: str
+    state_digest: str | None
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> PartRef:
+        keys = {f.name for f in cls.__dataclass_fields__.values()}
+        if not isinstance(raw, dict) or set(raw) != keys:
+            raise FormatError(f"manifest part {raw!r} has the wrong keys, expected {sorted(keys)}")
+        part = cls(**raw)
+        if not isinstance(part.bytes, int) or isinstance(part.bytes, bool) or part.bytes < 0:
+            raise FormatError(f"manifest part {raw!r}: bytes must be an integer")
+        if not isinstance(part.digest, str) or not isinstance(part.state_digest, str):
+            raise FormatError(f"manifest part {raw!r}: digests must be strings")
+        StateDigest.parse(part.state_digest)
+        try:
+            validate_path(part.path)
+        except StoreError as exc:
+            raise FormatError(f"manifest part path: {exc}") from None
+        return part
+
+
+@dataclass(frozen=True)
 class ChainEntry:
-    """One committed file: an anchor (full state at `version`) or a delta (`version - 1` -> it).
+    """One committed version's file: an anchor (full state at `version`) or a delta
+    (`version - 1` -> it).
 
     `state_digest` is the file's own full-state digest (the state after it), so a reader knows
-    it before downloading; None only for a file written with protocol 1.
+    it before downloading; None only for a file written with protocol 1. A sharded version
+    (protocol 3) is stored as `parts`, one file per trainer rank, and then has no `path` or
+    `digest` of its own; `bytes` is the parts' sum and `state_digest` their digests' sum.
     """
 
     version: int
     kind: Literal["anchor", "delta"]
-    path: str
+    path: str | None
     bytes: int
-    digest: str
+    digest: str | None
     encoding: str
     changed_elements: int
     state_digest: str | None = None
+    parts: tuple[PartRef, ...] | None = None
 
     @property
     def base_version(self) -> int | None:
         return self.version - 1 if self.kind == "delta" else None
 
+    @property
+    def files(self) -> tuple[PartRef, ...]:
+        """The stored files of this version: its one file, or its parts in order."""
+        if self.parts is not None:
+            return self.parts
+        return (PartRef(self.path, self.bytes, self.digest, self.state_digest),)  # type: ignore[arg-type]
+
+    @property
+    def label(self) -> str:
+        """A name for messages: the path, or the first part's and how many there are."""
+        if self.parts is None:
+            return str(self.path)
+        return f"{self.parts[0].path} (+{len(self.parts) - 1} parts)"
+
     @classmethod
-    def from_dict(cls, raw: Any, *, protocol: int = 2) -> ChainEntry:
+    def from_dict(cls, raw: Any, *, protocol: int = 3) -> ChainEntry:
         keys = {f.name for f in cls.__dataclass_fields__.values()}
+        if protocol < 3:  # protocol 2 entries have no parts
+            keys.discard("parts")
         if protocol < 2:  # protocol 1 entries have no state digest
             keys.discard("state_digest")
         if not isinstance(raw, dict) or set(raw) != keys:
             raise FormatError(f"manifest entry {raw!r} has the wrong keys, expected {sorted(keys)}")
-        entry = cls(**raw)
+        raw = dict(raw)
+        parts = raw.pop("parts", None)
+        if parts is not None:
+            if not isinstance(parts, list) or not 2 <= len(parts) <= MAX_PARTS:
+                raise FormatError(f"manifest entry parts must be a list of 2..{MAX_PARTS} parts")
+            parts = tuple(PartRef.from_dict(p) for p in parts)
+        entry = cls(**raw, parts=parts)
         if entry.state_digest is not None:
             StateDigest.parse(entry.state_digest)
         ints = (entry.version, entry.bytes, entry.changed_elements)
@@ -73,13 +134,35 @@ class ChainEntry:
             raise FormatError(f"manifest entry {raw!r}: version, bytes, changed must be integers")
         if entry.kind not in ("anchor", "delta") or entry.version < 1:
             raise FormatError(f"manifest entry {raw!r}: bad kind or version")
-        if not isinstance(entry.digest, str) or not isinstance(entry.encoding, str):
-            raise FormatError(f"manifest entry {raw!r}: digest and encoding must be strings")
-        try:
-            validate_path(entry.path)
-        except StoreError as exc:
-            raise FormatError(f"manifest entry path: {exc}") from None
+        if not isinstance(entry.encoding, str):
+            raise FormatError(f"manifest entry {raw!r}: encoding must be a string")
+        if entry.parts is None:
+            if not isinstance(entry.digest, str) or not isinstance(entry.path, str):
+                raise FormatError(f"manifest entry {raw!r}: path and digest must be strings")
+            try:
+                validate_path(entry.path)
+            except StoreError as exc:
+                raise FormatError(f"manifest entry path: {exc}") from None
+        else:
+            _check_parts(entry)
         return entry
+
+
+def _check_parts(entry: ChainEntry) -> None:
+    """A sharded entry names no file of its own and adds up its parts' sizes and digests."""
+    parts = entry.parts or ()
+    if entry.path is not None or entry.digest is not None:
+        raise FormatError(f"sharded manifest entry {entry.version}: path and digest must be null")
+    if entry.bytes != sum(p.bytes for p in parts):
+        raise FormatError(f"sharded manifest entry {entry.version}: bytes differ from its parts'")
+    combined = StateDigest.zero()
+    for part in parts:
+        combined = combined + StateDigest.parse(part.state_digest)
+    if entry.state_digest != combined.hex():
+        raise FormatError(
+            f"sharded manifest entry {entry.version}: state digest {entry.state_digest} is not "
+            f"the sum of its parts' ({combined})"
+        )
 
 
 @dataclass(frozen=True)
@@ -209,12 +292,14 @@ class Manifest:
         )
 
     def referenced_paths(self) -> set[str]:
-        return {e.path for e in (*self.anchors, *self.deltas)}
+        return {f.path for e in (*self.anchors, *self.deltas) for f in e.files}
 
     def to_json(self) -> bytes:
         raw = asdict(self)
-        if self.protocol == "deltasync/1":  # as read: its entries have no state digest
-            for entry in (*raw["anchors"], *raw["deltas"]):
+        for entry in (*raw["anchors"], *raw["deltas"]):  # as read: older entries lack keys
+            if self.protocol in ("deltasync/1", "deltasync/2"):
+                del entry["parts"]
+            if self.protocol == "deltasync/1":
                 del entry["state_digest"]
         return json.dumps(raw, indent=1).encode()
 
@@ -256,12 +341,17 @@ class Manifest:
             for entry in (*manifest.anchors, *manifest.deltas):
                 # Only this run's files, named by version and digest (never the manifest,
                 # a metrics record or another run's file), before anything is read.
-                expected = file_path(manifest.run_id, entry.kind, entry.version, entry.digest)
-                if entry.path != expected:
-                    raise FormatError(
-                        f"manifest entry path {entry.path!r} is not this run's {entry.kind} "
-                        f"file for version {entry.version} ({expected!r})"
+                count = len(entry.files)
+                for index, file in enumerate(entry.files):
+                    part = None if entry.parts is None else (index, count)
+                    expected = file_path(
+                        manifest.run_id, entry.kind, entry.version, file.digest, part
                     )
+                    if file.path != expected:
+                        raise FormatError(
+                            f"manifest entry path {file.path!r} is not this run's {entry.kind} "
+                            f"file for version {entry.version} ({expected!r})"
+                        )
             return manifest
         except (FormatError, TypeError, OverflowError) as exc:  # float(10**400): OverflowError
             raise FormatError(f"invalid manifest: {exc}", path=path) from None
@@ -284,20 +374,26 @@ def read_manifest(store: Store) -> Manifest | None:
     return Manifest.from_json(store.get(MANIFEST_PATH))
 
 
-def fetch_entry(store: Store, entry: ChainEntry) -> bytes:
-    """Download a manifest entry and check its size and whole-file digest before parsing, then
-    that the file's header promises the entry's full-state digest."""
-    data = store.get(entry.path)
-    if len(data) != entry.bytes or bytes_digest(data) != entry.digest:
+def fetch_entry(store: Store, entry: ChainEntry) -> FileData:
+    """Download a manifest entry (every part of a sharded version, in order) and check each
+    file's size and whole-file digest before parsing, then that its header promises the
+    entry's full-state digest (a part: its share)."""
+    found = tuple(_fetch_file(store, file) for file in entry.files)
+    return found[0] if entry.parts is None else found
+
+
+def _fetch_file(store: Store, file: PartRef) -> bytes:
+    data = store.get(file.path)
+    if len(data) != file.bytes or bytes_digest(data) != file.digest:
         raise FormatError(
             f"file does not match the manifest ({len(data)} bytes, expected "
-            f"{entry.bytes}, or digest differs)",
-            path=entry.path,
+            f"{file.bytes}, or digest differs)",
+            path=file.path,
         )
-    found = ParsedFile.parse(data, path=entry.path).meta.state_digest
-    if (found and found.hex()) != entry.state_digest:
+    found = ParsedFile.parse(data, path=file.path).meta.state_digest
+    if (found and found.hex()) != file.state_digest:
         raise FormatError(
-            f"file's state digest {found} differs from the manifest's {entry.state_digest}",
-            path=entry.path,
+            f"file's state digest {found} differs from the manifest's {file.state_digest}",
+            path=file.path,
         )
     return data

@@ -16,13 +16,22 @@ from .codec import encode_anchor, encode_delta
 from .codec.metadata import validate_run_id
 from .digest import bytes_digest
 from .errors import PublishError, StoreError
-from .manifest import MANIFEST_PATH, ChainEntry, Manifest, file_path, metrics_path, read_manifest
+from .manifest import (
+    MANIFEST_PATH,
+    ChainEntry,
+    Manifest,
+    PartRef,
+    file_path,
+    metrics_path,
+    read_manifest,
+)
 from .metrics import SyncRecord
 from .policy import AnchorPolicy
 from .replica import Replica
+from .shards import RowShard, ShardGroup, local_rows, part_info, to_global
 from .snapshot import Bf16Snapshot, NamedTensors
 from .state_digest import StateDigest, total
-from .state_hash import apply_changes, state_sums
+from .state_hash import apply_changes, state_sums, tensor_sum
 from .store import Store
 
 __all__ = ["Publisher", "PublisherConfig", "SyncRecord"]
@@ -56,6 +65,19 @@ class PublisherConfig:
             raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
 
 
+@dataclass(frozen=True)
+class _PartOutcome:
+    """What one rank reports for a version of a sharded run: its part files, or its error."""
+
+    version: int
+    delta: PartRef | None = None
+    anchor: PartRef | None = None
+    changed: int = 0
+    elements: int = 0
+    seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)  # diff, encode, upload
+    error: str | None = None
+
+
 @dataclass
 class _Job:
     version: int
@@ -74,11 +96,20 @@ class Publisher:
     manifest, advances the snapshot and writes a metrics record. If a version fails for good,
     it and every queued version are dropped, their futures fail, the next `publish` call raises
     the `PublishError`, and publishing then restarts from the last committed version.
+
+    Sharded (`shards`, one publisher per trainer rank, FSDP2): each rank diffs only its own rows
+    of every parameter and uploads them as its part of the version; the ranks then exchange
+    their parts' names over `shards`, and rank 0 commits one manifest naming all of them once
+    every part is durable. A version any rank failed is committed by none, and the failure is
+    final for every rank (their later `publish` calls raise): the ranks' calls could no longer
+    be paired version by version, so the job restarts and resumes from the bucket.
     """
 
-    def __init__(self, store: Store, config: PublisherConfig):
+    def __init__(self, store: Store, config: PublisherConfig, *, shards: ShardGroup | None = None):
         self.store = store
         self.config = config
+        self.shards = shards if shards is not None and shards.size > 1 else None
+        self._layout: dict[str, RowShard] | None = None
         self._lock = threading.Lock()
         self._snapshot: Bf16Snapshot | None = None
         self._manifest: Manifest | None = None
@@ -99,16 +130,20 @@ class Publisher:
             PublishError: an earlier version failed (raised once; publishing then resumes).
         """
         if self._failure is not None:
-            failure, self._failure = self._failure, None
+            failure = self._failure
+            if self.shards is None:
+                self._failure = None
             raise failure
+        started = time.perf_counter()
+        source = self._local(source)
         if self._worker is None:
             self._start()
-        started = time.perf_counter()
         with self._lock:
             if self._snapshot is None:
                 self._snapshot, diff = Bf16Snapshot.capture(source), None
             else:
-                diff = self._snapshot.diff(source, [j.diff for j in self._pending if j.diff])
+                pending = [j.diff for j in self._pending if j.diff]
+                diff = self._snapshot.diff(source, pending, digests=self.shards is None)
             version = (self.committed_version or 0) + len(self._pending) + 1
             job = _Job(version, diff, Future(), time.perf_counter() - started, time.time())
             self._pending.append(job)
@@ -138,14 +173,37 @@ class Publisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _local(self, source: NamedTensors) -> NamedTensors:
+        """This rank's rows of every parameter when sharded (the layout may not change)."""
+        if self.shards is None:
+            return source
+        local, layout = local_rows(source)
+        if all(s.start == 0 and s.stop == (s.shape[0] if s.shape else 1) for s in layout.values()):
+            raise PublishError(
+                "no parameter is sharded (DDP or one process holds everything): publish from "
+                "rank 0 alone, with a Publisher built without `shards`"
+            )
+        if self._layout is not None and layout != self._layout:
+            moved = sorted(n for n in layout if layout[n] != self._layout.get(n))[:5]
+            raise PublishError(f"the parameters' shards changed between versions: {moved}")
+        self._layout = layout
+        return local
+
     def _start(self) -> None:
-        """Resume the run in the bucket when its manifest names our run id."""
+        """Resume the run in the bucket when its manifest names our run id.
+
+        A sharded rank replays the whole model once, then keeps only its rows.
+        """
         manifest = read_manifest(self.store)
         if manifest is not None and manifest.run_id == self.config.run_id:
             replica = Replica()
             replica.sync(self.store)
-            self._snapshot = Bf16Snapshot(replica.tensors)
-            self._sums = dict(replica.state_sums)
+            tensors, sums = dict(replica.tensors), dict(replica.state_sums)
+            if self._layout is not None:
+                tensors = {n: tensors[n][s.start : s.stop].clone() for n, s in self._layout.items()}
+                sums = _block_sums(tensors, self._layout)
+            self._snapshot = Bf16Snapshot(tensors)
+            self._sums = sums
             self._manifest = manifest
             log.info("resuming run %s at version %d", manifest.run_id, manifest.latest_version)
         self._worker = threading.Thread(target=self._run, name="deltasync-publisher", daemon=True)
@@ -176,6 +234,8 @@ class Publisher:
                 other.future.set_exception(error)
 
     def _process(self, job: _Job) -> SyncRecord:
+        if self.shards is not None:
+            return self._process_part(job)
         cfg, snapshot = self.config, self._snapshot
         assert snapshot is not None
         queued_s = time.time() - job.enqueued_at
@@ -251,6 +311,131 @@ class Publisher:
         self._after_commit(record, previous, manifest)
         return record
 
+    def _process_part(self, job: _Job) -> SyncRecord:
+        """One rank's share of a sharded version: write its part, agree, rank 0 commits."""
+        shards = self.shards
+        assert shards is not None and self._snapshot is not None
+        queued_s = time.time() - job.enqueued_at
+        sums = None
+        try:
+            outcome, sums = self._write_part(job)
+        except Exception as exc:  # reported to every rank, so that none commits this version
+            log.error("rank %d: version %d: %s", shards.rank, job.version, exc)
+            outcome = _PartOutcome(job.version, error=f"rank {shards.rank}: {exc}")
+        outcomes: list[_PartOutcome] = shards.all_gather(outcome)
+        errors = [o.error for o in outcomes if o.error]
+        if len({o.version for o in outcomes}) > 1:
+            errors.append(f"ranks are at versions {[o.version for o in outcomes]}")
+        if errors:
+            raise PublishError("; ".join(errors), version=job.version)
+        deltas = [o.delta for o in outcomes if o.delta]
+        anchors = [o.anchor for o in outcomes if o.anchor]
+        elements = sum(o.elements for o in outcomes)
+        changed = sum(o.changed for o in outcomes)
+        entries = []
+        if deltas:
+            entries.append(
+                _sharded_entry("delta", job.version, self.config.encoding, deltas, changed)
+            )
+        if anchors:
+            entries.append(_sharded_entry("anchor", job.version, "full", anchors, elements))
+        committed: tuple[str, str] | None = None
+        if shards.rank == 0:
+            try:
+                committed = ("ok", self._commit(entries).to_json().decode())
+            except Exception as exc:
+                committed = ("error", f"rank 0 could not commit the manifest: {exc}")
+        status, text = shards.broadcast(committed)
+        if status != "ok":
+            raise PublishError(text, version=job.version)
+        previous, manifest = self._manifest, Manifest.from_json(text.encode())
+        with self._lock:
+            if job.diff is not None:
+                self._snapshot.advance(job.diff)
+            self._sums = sums
+            self._manifest = manifest
+            self._pending.remove(job)
+        diff_s, encode_s, upload_s = (max(o.seconds[i] for o in outcomes) for i in range(3))
+        record = SyncRecord(
+            run_id=self.config.run_id,
+            version=job.version,
+            kind="+".join(e.kind for e in entries),
+            encoding=self.config.encoding,
+            delta_path=deltas[0].path if deltas else None,  # a sharded version: its first part
+            anchor_path=anchors[0].path if anchors else None,
+            delta_bytes=sum(p.bytes for p in deltas),
+            anchor_bytes=sum(p.bytes for p in anchors),
+            full_bytes=2 * elements,
+            changed_elements=elements if job.diff is None else changed,
+            total_elements=elements,
+            sparsity=1.0 - (elements if job.diff is None else changed) / elements
+            if elements
+            else 1.0,
+            diff_s=max(diff_s, job.diff_s),
+            encode_s=encode_s,
+            upload_s=upload_s,
+            queued_s=queued_s,
+            committed_at=manifest.updated_at,
+        )
+        if shards.rank == 0:
+            self._after_commit(record, previous, manifest)
+        return record
+
+    def _write_part(self, job: _Job) -> tuple[_PartOutcome, dict[str, StateDigest]]:
+        """Encode and upload this rank's part of the delta (and of the anchor, by policy)."""
+        cfg, snapshot, layout, shards = self.config, self._snapshot, self._layout, self.shards
+        assert snapshot is not None and layout is not None and shards is not None
+        info = part_info(shards.rank, shards.size, layout)
+        t0 = time.perf_counter()
+        diff = None if job.diff is None else to_global(job.diff, layout)
+        if diff is None or self._sums is None:  # the first version: a full pass, once
+            sums = _block_sums(_state_after(snapshot, job.diff), layout)
+        else:
+            sums = apply_changes(self._sums, diff.changes)
+        digest = total(sums)
+        encode_s, upload_s = time.perf_counter() - t0, 0.0
+        delta = anchor = None
+        if diff is not None:
+            t0 = time.perf_counter()
+            data = encode_delta(
+                diff,
+                run_id=cfg.run_id,
+                version=job.version,
+                base_version=job.version - 1,
+                state_digest=digest,
+                encoding=cfg.encoding,
+                part=info,
+            )
+            t1 = time.perf_counter()
+            delta = self._upload_part(data, "delta", job.version, digest)
+            encode_s, upload_s = encode_s + t1 - t0, upload_s + time.perf_counter() - t1
+        if job.diff is None or cfg.policy.wants_anchor(self._manifest, job.version):
+            t0 = time.perf_counter()
+            data = encode_anchor(
+                _state_after(snapshot, job.diff),
+                run_id=cfg.run_id,
+                version=job.version,
+                state_digest=digest,
+                part=info,
+                shapes={n: s.shape for n, s in layout.items()},
+            )
+            t1 = time.perf_counter()
+            anchor = self._upload_part(data, "anchor", job.version, digest)
+            encode_s, upload_s = encode_s + t1 - t0, upload_s + time.perf_counter() - t1
+        elements = sum(t.numel() for t in snapshot.tensors.values())
+        changed = elements if job.diff is None else job.diff.changed_elements
+        seconds = (job.diff_s, encode_s, upload_s)
+        return _PartOutcome(job.version, delta, anchor, changed, elements, seconds), sums
+
+    def _upload_part(self, data: bytes, kind: str, version: int, digest: StateDigest) -> PartRef:
+        shards = self.shards
+        assert shards is not None
+        hashed = bytes_digest(data)
+        part = (shards.rank, shards.size)
+        path = file_path(self.config.run_id, kind, version, hashed, part)
+        self.store.put(path, data)
+        return PartRef(path, len(data), hashed, digest.hex())
+
     def _upload(
         self,
         data: bytes,
@@ -308,6 +493,34 @@ class Publisher:
                 self.store.delete(path)
             except StoreError as exc:
                 log.warning("retention could not delete %s: %s", path, exc)
+
+
+def _sharded_entry(
+    kind: str, version: int, encoding: str, parts: list[PartRef], changed: int
+) -> ChainEntry:
+    """The manifest entry of a sharded version: its parts, their bytes and digests summed."""
+    digest = StateDigest.zero()
+    for part in parts:
+        digest = digest + StateDigest.parse(part.state_digest)
+    size = sum(p.bytes for p in parts)
+    return ChainEntry(
+        version,
+        kind,
+        None,
+        size,
+        None,
+        encoding,
+        changed,
+        digest.hex(),
+        tuple(parts),  # type: ignore[arg-type]
+    )
+
+
+def _block_sums(
+    tensors: dict[str, torch.Tensor], layout: dict[str, RowShard]
+) -> dict[str, StateDigest]:
+    """Each tensor's digest over this rank's rows only (at their global indices)."""
+    return {n: tensor_sum(n, t, start=layout[n].offset) for n, t in tensors.items()}
 
 
 def _state_after(snapshot: Bf16Snapshot, diff: Diff | None) -> dict[str, torch.Tensor]:

@@ -19,10 +19,10 @@ from typing import Any, Protocol
 import torch
 
 from .changes import WORKERS, scatter
-from .codec import DecodedFile, FileMetadata, ParsedFile, decode
+from .codec import DecodedFile, FileMetadata, ParsedFile, ParsedParts, decode
 from .digest import tensor_digest
 from .errors import ChainError, DigestMismatch, FormatError
-from .manifest import fetch_entry, read_manifest
+from .manifest import FileData, fetch_entry, read_manifest
 from .state_digest import StateDigest, total
 from .state_hash import apply_changes, state_sums
 from .store import Store
@@ -245,7 +245,7 @@ class Replica:
         """The full-state digest of the held version (as its files promised), if one is held."""
         return None if self._sums is None else total(self._sums)
 
-    def prepare(self, files: Sequence[tuple[bytes, str | None]]) -> PreparedUpdate:
+    def prepare(self, files: Sequence[tuple[FileData, str | None]]) -> PreparedUpdate:
         """Decode, check and verify `files` (data, path) in order, each against the state the
         previous ones lead to; then let the sink prepare. Nothing is mutated; raises on any
         problem (`FormatError`, `ChainError`, `DigestMismatch`). The one exception: held bytes
@@ -280,9 +280,20 @@ class Replica:
         return PreparedUpdate(base, tuple(staged), sink_state, sums, since)
 
     def _parse(
-        self, data: bytes, path: str | None, run_id: str | None, version: int | None, shapes: Shapes
-    ) -> ParsedFile:
+        self,
+        data: FileData,
+        path: str | None,
+        run_id: str | None,
+        version: int | None,
+        shapes: Shapes,
+    ) -> ParsedFile | ParsedParts:
+        if isinstance(data, tuple):  # the parts of a sharded version, read as one file
+            return ParsedParts.of([ParsedFile.parse(d, path=path) for d in data], path=path)
         parsed = ParsedFile.parse(data, path=path)
+        if parsed.meta.part is not None:
+            raise FormatError(
+                "a part of a sharded version is applied with all its parts", path=path
+            )
         if not parsed.meta.legacy:
             return parsed
         if not self.allow_legacy:
@@ -295,7 +306,7 @@ class Replica:
 
     def _stage(
         self,
-        parsed: ParsedFile,
+        parsed: ParsedFile | ParsedParts,
         staged: Sequence[StagedFile],
         sums: Mapping[str, StateDigest] | None,
         since: int,
@@ -376,7 +387,7 @@ class Replica:
         self._sums, self._since_recompute = prepared.sums, prepared.since_recompute
         return prepared.versions
 
-    def stage(self, data: bytes, *, path: str | None = None) -> PreparedUpdate:
+    def stage(self, data: FileData, *, path: str | None = None) -> PreparedUpdate:
         """`prepare` for one file."""
         return self.prepare([(data, path)])
 
@@ -384,7 +395,7 @@ class Replica:
         """`commit`; False when there was nothing to apply (a version already held)."""
         return bool(self.commit(prepared))
 
-    def update(self, data: bytes, *, path: str | None = None) -> bool:
+    def update(self, data: FileData, *, path: str | None = None) -> bool:
         return self.apply(self.stage(data, path=path))
 
     def sync(self, store: Store, *, target: int | None = None) -> list[int]:
@@ -394,15 +405,18 @@ class Replica:
         if manifest is None:
             return []
         plan = manifest.plan(self.run_id, self.version, target)
-        return self.commit(self.prepare([(fetch_entry(store, e), e.path) for e in plan]))
+        return self.commit(self.prepare([(fetch_entry(store, e), e.label) for e in plan]))
 
     def digests(self) -> dict[str, str]:
         return {name: tensor_digest(t) for name, t in self.sink.tensors().items()}
 
     def check_digests(self, meta: FileMetadata) -> None:
-        """Check every held tensor against a file's digests (e.g. the latest anchor's)."""
+        """Check every held tensor against a file's digests (e.g. the latest anchor's); a sharded
+        version has none (no part holds a whole tensor)."""
         tensors = self.sink.tensors()
         for name, entry in meta.tensors.items():
+            if entry.digest is None:
+                continue
             found = tensor_digest(tensors[name])
             if found != entry.digest:
                 raise DigestMismatch(name, entry.digest or "", found)

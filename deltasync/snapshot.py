@@ -127,7 +127,9 @@ class Bf16Snapshot:
     def digests(self) -> dict[str, str]:
         return {name: tensor_digest(t) for name, t in self._tensors.items()}
 
-    def diff(self, source: NamedTensors, pending: Sequence[Diff] = ()) -> Diff:
+    def diff(
+        self, source: NamedTensors, pending: Sequence[Diff] = (), *, digests: bool = True
+    ) -> Diff:
         """Exact per-tensor changes to `source` (same names and shapes) from this snapshot.
 
         Args:
@@ -135,6 +137,8 @@ class Bf16Snapshot:
             pending: diffs already handed to the publisher but not committed yet, oldest first;
                 the result is then relative to the state they lead to, so versions chain while
                 the snapshot itself stays at the last committed version.
+            digests: hash every tensor's new bytes (off for a rank's blocks of sharded
+                parameters, which are no whole tensors).
 
         Runs over tensors in a small thread pool (the compiled scan and xxhash release the GIL).
         """
@@ -148,7 +152,7 @@ class Bf16Snapshot:
                 f"parameter names differ from the snapshot: missing {missing}, unknown {unknown}"
             )
 
-        def one(item: tuple[str, torch.Tensor]) -> tuple[str, TensorChange | None, str]:
+        def one(item: tuple[str, torch.Tensor]) -> tuple[str, TensorChange | None, str | None]:
             name, tensor = item
             base = self._tensors[name]
             if tuple(tensor.shape) != tuple(base.shape):
@@ -156,14 +160,15 @@ class Bf16Snapshot:
                     f"shape changed from {tuple(base.shape)} to {tuple(tensor.shape)}", tensor=name
                 )
             new = bf16_view(tensor)
-            return name, _changed(base, new, overlay.get(name)), tensor_digest(new)
+            digest = tensor_digest(new) if digests else None
+            return name, _changed(base, new, overlay.get(name)), digest
 
         with ThreadPoolExecutor(WORKERS) as pool:
             results = list(pool.map(one, items))
         changes = {name: change for name, change, _ in results if change is not None}
-        digests = {name: digest for name, _, digest in results}
+        hashes = {name: digest for name, _, digest in results if digest is not None}
         shapes = {name: tuple(t.shape) for name, t in self._tensors.items()}
-        return Diff(changes, digests, shapes)
+        return Diff(changes, hashes, shapes)
 
     def advance(self, diff: Diff) -> None:
         """Move the snapshot to the state the diff describes (call once the publish committed)."""

@@ -15,6 +15,8 @@ from .metadata import (
     PROTOCOL,
     FileMetadata,
     ParsedFile,
+    ParsedParts,
+    PartInfo,
     TensorEntry,
     read_metadata,
 )
@@ -28,6 +30,8 @@ __all__ = [
     "DecodedFile",
     "FileMetadata",
     "ParsedFile",
+    "ParsedParts",
+    "PartInfo",
     "SafetensorsHeader",
     "TensorEntry",
     "TensorInfo",

@@ -20,7 +20,15 @@ from ..state_digest import StateDigest, total
 from ..state_hash import state_sums
 from . import coo, packed
 from .header import TensorInfo
-from .metadata import ENCODINGS, FileMetadata, ParsedFile, TensorEntry, validate_run_id
+from .metadata import (
+    ENCODINGS,
+    FileMetadata,
+    ParsedFile,
+    ParsedParts,
+    PartInfo,
+    TensorEntry,
+    validate_run_id,
+)
 
 __all__ = ["DecodedFile", "decode", "encode_anchor", "encode_delta"]
 
@@ -44,10 +52,14 @@ def encode_anchor(
     version: int,
     digests: Mapping[str, str] | None = None,
     state_digest: StateDigest | None = None,
+    part: PartInfo | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> bytes:
     """A full bf16 checkpoint that transformers and vLLM load as is (metadata format=pt).
 
-    `digests` (per-tensor xxh3) and `state_digest` are computed when not given.
+    `digests` (per-tensor xxh3) and `state_digest` are computed when not given. With `part`,
+    the file is one part of a sharded anchor: `tensors` are the part's rows of each tensor,
+    `shapes` the full shapes, and `state_digest` (required) the part's share of the digest.
     """
     validate_run_id(run_id)
     if version < 1:
@@ -55,10 +67,25 @@ def encode_anchor(
     for name, t in tensors.items():
         if t.dtype != torch.bfloat16:
             raise FormatError(f"anchors hold bf16 tensors, found {t.dtype}", tensor=name)
-    digests = digests or {n: tensor_digest(t) for n, t in tensors.items()}
-    state_digest = state_digest or total(state_sums(tensors))
-    entries = {n: TensorEntry(tuple(t.shape), digests[n], t.numel()) for n, t in tensors.items()}
-    meta = FileMetadata(run_id, version, None, "anchor", "full", entries, state_digest=state_digest)
+    if part is not None:
+        if shapes is None or state_digest is None:
+            raise ValueError("an anchor part needs the full shapes and its state digest")
+        for name, t in tensors.items():
+            start, stop = part.rows[name]
+            if tuple(t.shape) != (stop - start, *shapes[name][1:]):
+                raise FormatError(
+                    f"rows {start}:{stop} of {shapes[name]} but {t.shape}", tensor=name
+                )
+        entries = {n: TensorEntry(tuple(shapes[n]), None, t.numel()) for n, t in tensors.items()}
+    else:
+        digests = digests or {n: tensor_digest(t) for n, t in tensors.items()}
+        state_digest = state_digest or total(state_sums(tensors))
+        entries = {
+            n: TensorEntry(tuple(t.shape), digests[n], t.numel()) for n, t in tensors.items()
+        }
+    meta = FileMetadata(
+        run_id, version, None, "anchor", "full", entries, state_digest=state_digest, part=part
+    )
     contiguous = {n: t.contiguous() for n, t in tensors.items()}
     return safetensors.torch.save(contiguous, metadata=meta.to_strings())
 
@@ -71,18 +98,29 @@ def encode_delta(
     base_version: int,
     state_digest: StateDigest,
     encoding: str = "packed",
+    part: PartInfo | None = None,
 ) -> bytes:
     """A sparse delta from `base_version` to `version`, with post-update digests of all tensors
-    and of the whole state (`state_digest`: the base's moved by `state_hash.apply_changes`)."""
+    and of the whole state (`state_digest`: the base's moved by `state_hash.apply_changes`).
+
+    With `part`, one part of a sharded version: `diff` holds the part's changes at global flat
+    indices inside its rows, full shapes, no per-tensor digests, and `state_digest` is the
+    part's share of the version's digest."""
     validate_run_id(run_id)
     if encoding not in ENCODINGS:
         raise FormatError(f"unknown encoding {encoding!r}; known: {', '.join(ENCODINGS)}")
     if base_version != version - 1:  # readers refuse anything else (bucket_layout.md)
         raise FormatError(f"base_version {base_version} must be version - 1 ({version - 1})")
     entries = {
-        n: TensorEntry(shape, diff.digests[n], _changed_count(diff, n))
+        n: TensorEntry(shape, diff.digests.get(n), _changed_count(diff, n))
         for n, shape in diff.shapes.items()
     }
+    if part is not None:
+        for name, change in diff.changes.items():
+            lo, hi = part.flat_range(name, diff.shapes[name])
+            first, last = int(change.indices[0]), int(change.indices[-1])
+            if not lo <= first <= last < hi:
+                raise FormatError(f"changes outside the part's elements {lo}:{hi}", tensor=name)
     meta = FileMetadata(
         run_id,
         version,
@@ -91,6 +129,7 @@ def encode_delta(
         encoding,
         entries,
         state_digest=state_digest,  # type: ignore[arg-type]
+        part=part,
     )
     if encoding == "packed":
         payload = packed.encode_changes(diff.changes)
@@ -105,7 +144,7 @@ def _changed_count(diff: Diff, name: str) -> int:
 
 
 def decode(
-    file: bytes | ParsedFile,
+    file: bytes | ParsedFile | ParsedParts,
     *,
     base: Mapping[str, torch.Tensor] | None = None,
     path: str | None = None,
@@ -113,9 +152,12 @@ def decode(
     """Validate and decode a file; deltas need `base`, the reader's tensors at the base version.
 
     Pass a `ParsedFile` when the header was parsed already (a TRL v1 delta must be, and
-    normalised against the reader: `ParsedFile.normalised`). Raises `FormatError` for anything
-    malformed; never mutates `base`.
+    normalised against the reader: `ParsedFile.normalised`). The parts of a sharded version
+    (`ParsedParts`) decode into one file, as if it had been written whole. Raises `FormatError`
+    for anything malformed; never mutates `base`.
     """
+    if isinstance(file, ParsedParts):
+        return _decode_parts(file, base)
     parsed = file if isinstance(file, ParsedFile) else ParsedFile.parse(file, path=path)
     data, header, meta, path = parsed.data, parsed.header, parsed.meta, parsed.path
     try:
@@ -141,6 +183,40 @@ def decode(
         raise
 
 
+def _decode_parts(parts: ParsedParts, base: Mapping[str, torch.Tensor] | None) -> DecodedFile:
+    """Each part decoded on its own (delta indices are global, so against the full base), its
+    changes checked to lie in its rows, then joined in part order: rows concatenated for an
+    anchor, index lists for a delta (the parts' rows ascend, so the indices stay ascending)."""
+    decoded = [decode(p, base=base) for p in parts.parts]
+    meta = parts.meta
+    if meta.kind == "anchor":
+        tensors = {n: torch.cat([d.tensors[n] for d in decoded]) for n in meta.tensors}
+        return DecodedFile(meta, tensors=tensors)
+    per_tensor: dict[str, list[TensorChange]] = {}
+    for part, found in zip(parts.parts, decoded, strict=True):
+        info = part.meta.part
+        assert info is not None
+        for name, change in found.changes.items():
+            lo, hi = info.flat_range(name, meta.tensors[name].shape)
+            if not (lo <= int(change.indices[0]) and int(change.indices[-1]) < hi):
+                raise FormatError(
+                    f"part {info.index} changes elements outside its rows ({lo}:{hi})",
+                    path=part.path,
+                    tensor=name,
+                )
+            per_tensor.setdefault(name, []).append(change)
+    changes = {
+        name: TensorChange(*(torch.cat([getattr(c, f) for c in found]) for f in _CHANGE_FIELDS))
+        if len(found) > 1
+        else found[0]
+        for name, found in per_tensor.items()
+    }
+    return DecodedFile(meta, changes=changes)
+
+
+_CHANGE_FIELDS = ("indices", "values", "previous")
+
+
 def _load(data: bytes, path: str | None) -> dict[str, torch.Tensor]:
     try:
         return safetensors.torch.load(data)
@@ -157,11 +233,12 @@ def _check_anchor_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> None
             f"anchor tensors {sorted(set(infos) ^ set(meta.tensors))[:5]} disagree with metadata"
         )
     for name, info in infos.items():
-        if info.shape != meta.tensors[name].shape:
-            raise FormatError(
-                f"shape {info.shape} disagrees with metadata {meta.tensors[name].shape}",
-                tensor=name,
-            )
+        shape = meta.tensors[name].shape
+        if meta.part is not None:  # a part holds its rows of each tensor
+            start, stop = meta.part.rows[name]
+            shape = (stop - start, *shape[1:])
+        if info.shape != shape:
+            raise FormatError(f"shape {info.shape} disagrees with metadata {shape}", tensor=name)
 
 
 def _check_delta_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> list[str]:

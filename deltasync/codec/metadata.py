@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -16,18 +16,22 @@ from .header import SafetensorsHeader, parse_header, parse_header_bytes
 
 __all__ = [
     "ENCODINGS",
+    "MAX_PARTS",
     "PROTOCOL",
     "READABLE_PROTOCOLS",
     "FileMetadata",
     "ParsedFile",
+    "ParsedParts",
+    "PartInfo",
     "TensorEntry",
     "check_protocol",
     "read_metadata",
     "validate_run_id",
 ]
 
-PROTOCOL = "deltasync/2"  # bump on any change of the wire format (bucket_layout.md)
-READABLE_PROTOCOLS = ("deltasync/1", PROTOCOL)  # 1: before the full-state digest
+PROTOCOL = "deltasync/3"  # bump on any change of the wire format (bucket_layout.md)
+# 1: before the full-state digest; 2: before sharded versions (part files)
+READABLE_PROTOCOLS = ("deltasync/1", "deltasync/2", PROTOCOL)
 _PROTOCOL = re.compile(r"deltasync/([1-9][0-9]{0,5})")
 ENCODINGS = ("packed", "coo")  # delta encodings; anchors are "full"
 Kind = Literal["anchor", "delta"]
@@ -35,6 +39,7 @@ Encoding = Literal["full", "coo", "packed"]
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEX128 = re.compile(r"[0-9a-f]{32}")
 _MAX_VERSION = 2**53
+MAX_PARTS = 4096  # parts of one sharded version (trainer ranks)
 
 
 def validate_run_id(run_id: str) -> str:
@@ -72,10 +77,31 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return _numel(self.shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """Which share of a sharded version a part file holds: part `index` of `count`, and per
+    tensor the rows `[start, stop)` of dim 0 it covers (a contiguous flat range, since tensors
+    are row-major). The parts' rows tile every tensor in index order."""
+
+    index: int
+    count: int
+    rows: dict[str, tuple[int, int]]
+
+    def flat_range(self, name: str, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The flat (row-major) element range `[lo, hi)` of `name` this part covers."""
+        start, stop = self.rows[name]
+        row = _numel(shape[1:])
+        return start * row, stop * row
 
 
 @dataclass(frozen=True)
@@ -97,11 +123,16 @@ class FileMetadata:
     legacy: bool = False
     declared: tuple[int, int] | None = None  # TRL v1 delta: (total, changed) elements
     state_digest: StateDigest | None = None  # the whole state after this file; None: protocol 1
+    part: PartInfo | None = None  # a part of a sharded version: its share of the state digest
 
     @property
     def total_elements(self) -> int:
+        """Elements the file covers: the model's, or a part's rows of it."""
         if self.declared is not None:
             return self.declared[0]
+        if self.part is not None:
+            ranges = (self.part.flat_range(n, e.shape) for n, e in self.tensors.items())
+            return sum(hi - lo for lo, hi in ranges)
         return sum(e.numel for e in self.tensors.values())
 
     @property
@@ -148,6 +179,14 @@ class FileMetadata:
             out |= {"format": "sparse_weight_patch", "version": "1"}
         elif self.encoding == "packed":
             out |= {"format": "deltasync_packed", "packed": "leb128-gap+zigzag-bitdiff/zstd"}
+        if self.part is not None:  # no loader may take one part for a whole checkpoint or patch
+            rows = {n: list(r) for n, r in self.part.rows.items()}
+            out |= {
+                "format": "deltasync_part",
+                "part_index": str(self.part.index),
+                "part_count": str(self.part.count),
+                "part_rows": json.dumps(rows, separators=(",", ":")),
+            }
         return out
 
     @classmethod
@@ -186,8 +225,12 @@ class FileMetadata:
             run_id = validate_run_id(meta.get("run_id", ""))
         except FormatError as exc:
             raise FormatError(str(exc), path=path) from None
-        tensors = _tensor_entries(meta, path)
-        return cls(run_id, version, base, kind, encoding, tensors, state_digest=state_digest)
+        sharded = protocol >= 3 and "part_index" in meta
+        tensors = _tensor_entries(meta, path, digests_optional=sharded)
+        part = _part_info(meta, tensors, path) if sharded else None
+        return cls(
+            run_id, version, base, kind, encoding, tensors, state_digest=state_digest, part=part
+        )
 
 
 def _choice(meta: dict[str, str], key: str, allowed: tuple[str, ...], path: str | None) -> str:
@@ -209,7 +252,45 @@ def _int(meta: dict[str, str], key: str, path: str | None, *, minimum: int) -> i
     return int(value)
 
 
-def _tensor_entries(meta: dict[str, str], path: str | None) -> dict[str, TensorEntry]:
+def _part_info(meta: dict[str, str], tensors: dict[str, TensorEntry], path: str | None) -> PartInfo:
+    """A part file's index, count and rows: every tensor, rows within its dim 0."""
+    count = _int(meta, "part_count", path, minimum=2)
+    index = _int(meta, "part_index", path, minimum=0)
+    if count > MAX_PARTS or index >= count:
+        raise FormatError(f"part {index} of {count} (at most {MAX_PARTS} parts)", path=path)
+    try:
+        raw = json.loads(meta.get("part_rows", ""))
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"metadata 'part_rows' is not JSON: {exc}", path=path) from None
+    if not isinstance(raw, dict) or set(raw) != set(tensors):
+        raise FormatError("metadata 'part_rows' must name exactly the file's tensors", path=path)
+    rows = {}
+    for name, value in raw.items():
+        shape = tensors[name].shape
+        if not (
+            isinstance(value, list)
+            and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            and len(shape) >= 1
+            and 0 <= value[0] <= value[1] <= shape[0]
+        ):
+            raise FormatError(f"bad rows {value!r} for shape {shape}", path=path, tensor=name)
+        rows[name] = (value[0], value[1])
+    part = PartInfo(index, count, rows)
+    for name, entry in tensors.items():
+        lo, hi = part.flat_range(name, entry.shape)
+        if entry.changed > hi - lo:
+            raise FormatError(
+                f"changed={entry.changed} exceeds the part's {hi - lo} elements",
+                path=path,
+                tensor=name,
+            )
+    return part
+
+
+def _tensor_entries(
+    meta: dict[str, str], path: str | None, *, digests_optional: bool = False
+) -> dict[str, TensorEntry]:
     try:
         raw = json.loads(meta.get("tensors", ""))
     except (ValueError, RecursionError) as exc:  # also too deep or a number too long to parse
@@ -225,8 +306,10 @@ def _tensor_entries(meta: dict[str, str], path: str | None) -> dict[str, TensorE
             and all(
                 isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**50 for d in value[0]
             )
-            and isinstance(value[1], str)
-            and _HEX128.fullmatch(value[1])
+            and (
+                (isinstance(value[1], str) and _HEX128.fullmatch(value[1]))
+                or (digests_optional and value[1] is None)  # a part cannot hash whole tensors
+            )
             and isinstance(value[2], int)
             and not isinstance(value[2], bool)
         ):
@@ -304,6 +387,63 @@ class ParsedFile:
         base = version if meta.kind == "delta" else None
         fields = {"run_id": run_id, "base_version": base, "tensors": tensors, "declared": None}
         return replace(self, meta=replace(meta, **fields))
+
+
+@dataclass(frozen=True)
+class ParsedParts:
+    """The part files of one sharded version, checked to fit together.
+
+    `meta` describes the whole version as one file would: the tensors' changed counts summed,
+    no per-tensor digests (no part holds a whole tensor), and the parts' full-state digests
+    added up into the version's. `path` labels the version in errors.
+    """
+
+    parts: tuple[ParsedFile, ...]
+    meta: FileMetadata
+    path: str | None = None
+
+    @classmethod
+    def of(cls, parts: Sequence[ParsedFile], *, path: str | None = None) -> ParsedParts:
+        """Check that `parts` are every part of one version, in index order, and that their
+        rows tile every tensor; raises `FormatError` naming what does not fit."""
+        path = path or (parts[0].path if parts else None)
+        metas = [p.meta for p in parts]
+        if not metas or any(m.part is None for m in metas):
+            raise FormatError("a sharded version is read from its part files only", path=path)
+        first = metas[0]
+        count = first.part.count  # type: ignore[union-attr]
+        found = [m.part.index for m in metas]  # type: ignore[union-attr]
+        if found != list(range(count)) or any(m.part.count != count for m in metas):  # type: ignore[union-attr]
+            raise FormatError(f"parts {found} are not parts 0..{count - 1} in order", path=path)
+        same = ("run_id", "version", "base_version", "kind", "encoding")
+        for meta in metas[1:]:
+            differs = [k for k in same if getattr(meta, k) != getattr(first, k)]
+            shapes = {n: e.shape for n, e in meta.tensors.items()}
+            if differs or shapes != {n: e.shape for n, e in first.tensors.items()}:
+                raise FormatError(
+                    f"part {meta.part.index} disagrees with part 0 on "  # type: ignore[union-attr]
+                    f"{differs or ['tensors']}",
+                    path=path,
+                )
+        for name, entry in first.tensors.items():
+            edges = [m.part.rows[name] for m in metas]  # type: ignore[union-attr]
+            starts = [start for start, _ in edges]
+            stops = [stop for _, stop in edges]
+            if starts != [0, *stops[:-1]] or stops[-1] != entry.shape[0]:
+                raise FormatError(
+                    f"parts' rows {edges} do not tile dim 0 of {entry.shape}",
+                    path=path,
+                    tensor=name,
+                )
+        tensors = {
+            n: TensorEntry(e.shape, None, sum(m.tensors[n].changed for m in metas))
+            for n, e in first.tensors.items()
+        }
+        state_digest = StateDigest.zero()
+        for meta in metas:
+            state_digest = state_digest + meta.state_digest  # type: ignore[operator]
+        meta = replace(first, tensors=tensors, state_digest=state_digest, part=None)
+        return cls(tuple(parts), meta, path)
 
 
 def read_metadata(

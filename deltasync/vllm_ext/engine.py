@@ -128,13 +128,18 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if manifest is None:
             raise FormatError(f"bucket {store.url} has no manifest yet")
         if path is not None:
-            names = {e.path for e in (*manifest.anchors, *manifest.deltas) if e.version == target}
+            names = {
+                f.path
+                for e in (*manifest.anchors, *manifest.deltas)
+                if e.version == target
+                for f in e.files
+            }
             if path not in names:
                 raise FormatError(f"the manifest has no file {path!r} for version {target}")
         entries = manifest.plan(*base, target)
-        files = [(fetch_entry(store, e), e.path) for e in entries]
+        files = [(fetch_entry(store, e), e.label) for e in entries]
         update = state.prepare(files)
-        size = sum(len(data) for data, _ in files)
+        size = sum(e.bytes for e in entries)
         return _Prepared(base, target, entries, size, update, time.perf_counter() - started)
 
     def _take(self, info: UpdateInfo) -> _Prepared:
@@ -178,7 +183,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.last_update = {
             "version": update_info.version,
             "applied": applied,
-            "files": [e.path for e in prepared.entries],
+            "files": [e.label for e in prepared.entries],
             "bytes": prepared.bytes,
             "stage_s": round(prepared.seconds, 4),
             "apply_s": round(time.perf_counter() - started, 4),

@@ -51,18 +51,18 @@ def _with_protocol(data: bytes, protocol: str) -> bytes:
 def test_newer_file_is_refused_naming_both_versions():
     delta = next((FIXTURES / "bucket-packed").rglob("00000002-*.safetensors"))
     with pytest.raises(FormatError) as info:
-        ParsedFile.parse(_with_protocol(delta.read_bytes(), "deltasync/3"))
+        ParsedFile.parse(_with_protocol(delta.read_bytes(), "deltasync/4"))
     message = str(info.value)
-    assert "deltasync/3" in message and PROTOCOL in message and "upgrade" in message
+    assert "deltasync/4" in message and PROTOCOL in message and "upgrade" in message
     assert "\n" not in message
 
 
 def test_newer_manifest_is_refused_before_its_keys_are_checked():
     raw = json.loads((FIXTURES / "bucket-packed" / "manifest.json").read_bytes())
-    raw |= {"protocol": "deltasync/3", "fence": {"epoch": 3}}  # a field this reader lacks
+    raw |= {"protocol": "deltasync/4", "fence": {"epoch": 3}}  # a field this reader lacks
     with pytest.raises(FormatError) as info:
         Manifest.from_json(json.dumps(raw).encode())
-    assert "deltasync/3" in str(info.value) and PROTOCOL in str(info.value)
+    assert "deltasync/4" in str(info.value) and PROTOCOL in str(info.value)
     assert "keys" not in str(info.value)
 
 
@@ -70,7 +70,7 @@ def test_newer_manifest_is_refused_before_its_keys_are_checked():
 def test_unknown_protocol_names_what_was_found(found):
     raw = json.loads((FIXTURES / "bucket-packed" / "manifest.json").read_bytes())
     raw["protocol"] = found
-    with pytest.raises(FormatError, match="this reader speaks deltasync/2"):
+    with pytest.raises(FormatError, match="this reader speaks deltasync/3"):
         Manifest.from_json(json.dumps(raw).encode())
 
 
@@ -93,7 +93,7 @@ def test_protocol_2_buckets_replay_bitwise_with_their_state_digests(encoding):
     assert full_state_digest(replica.tensors) == replica.state_digest
 
 
-def test_protocol_1_run_resumed_by_a_protocol_2_publisher(tmp_path):
+def test_protocol_1_run_resumed_by_a_newer_publisher(tmp_path):
     """A run started before the upgrade goes on: its old entries keep no state digest, new
     versions carry one, and a fresh replica replays the mixed chain."""
     shutil.copytree(FIXTURES / "bucket-packed", tmp_path / "bucket")

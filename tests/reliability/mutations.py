@@ -77,7 +77,7 @@ META_STRINGS = st.one_of(
             "other",
             "../x",
             "deltasync/2",
-            "deltasync/3",
+            "deltasync/4",
             "deltasync/1 ",
             "anchor",
             "delta",

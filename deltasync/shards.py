@@ -1,0 +1,129 @@
+"""Sharded trainers: every rank publishes its own rows of each parameter (FSDP2 `Shard(0)`).
+
+FSDP2 (`torch.distributed.fsdp.fully_shard`) leaves each rank a contiguous block of rows of every
+parameter (`DTensor.to_local()`); a row block of a row-major tensor is a contiguous range of flat
+indices, so a rank diffs its block alone and writes its changes at global flat indices, with no
+all-gather. The ranks of one version meet only to agree that every part is durable
+(`ShardGroup`, a gloo group of the publisher threads' own), and rank 0 commits the manifest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .changes import Diff, TensorChange
+from .codec import PartInfo
+from .errors import FormatError
+from .snapshot import NamedTensors, named_tensors
+
+__all__ = ["RowShard", "ShardGroup", "local_rows", "to_global"]
+
+
+@dataclass(frozen=True)
+class RowShard:
+    """Rows `[start, stop)` of a parameter whose full shape is `shape`."""
+
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+    @property
+    def offset(self) -> int:
+        """The global flat index of the block's first element."""
+        return self.start * math.prod(self.shape[1:])
+
+
+def local_rows(source: NamedTensors) -> tuple[dict[str, torch.Tensor], dict[str, RowShard]]:
+    """Each parameter's local block and where it sits in the full tensor.
+
+    A `DTensor` must be sharded on dim 0 over a 1-D mesh (what `fully_shard` makes); a plain
+    tensor is all rows. Raises `FormatError` for any other placement (say which).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if isinstance(source, torch.nn.Module):
+        items: Iterable[tuple[str, torch.Tensor]] = source.named_parameters()
+    else:
+        items = source.items() if isinstance(source, Mapping) else source
+    local: dict[str, torch.Tensor] = {}
+    layout: dict[str, RowShard] = {}
+    for name, tensor in items:
+        shape = tuple(tensor.shape)
+        if not isinstance(tensor, DTensor):
+            local[name], layout[name] = tensor, RowShard(shape, 0, shape[0] if shape else 1)
+            continue
+        placements = tuple(tensor.placements)
+        if placements != (Shard(0),) or not shape:
+            raise FormatError(
+                f"sharded publishing takes parameters sharded on dim 0 over a 1-D mesh "
+                f"(FSDP2 fully_shard); found placements {placements}",
+                tensor=name,
+            )
+        block = tensor.to_local()
+        rows, offset = compute_local_shape_and_global_offset(
+            tensor.shape, tensor.device_mesh, tensor.placements
+        )
+        start = offset[0] if rows[0] else 0  # an empty block has no meaningful offset
+        local[name], layout[name] = block, RowShard(shape, start, start + rows[0])
+    kept = dict(named_tensors(local))  # tied aliases share their local storage too
+    return kept, {n: layout[n] for n in kept}
+
+
+def to_global(diff: Diff, layout: Mapping[str, RowShard]) -> Diff:
+    """A diff of local blocks at the full tensors' flat indices and shapes (no digests: no rank
+    holds a whole tensor)."""
+    changes = {
+        name: TensorChange(change.indices + layout[name].offset, change.values, change.previous)
+        for name, change in diff.changes.items()
+    }
+    shapes = {name: layout[name].shape for name in diff.shapes}
+    return Diff(changes, {}, shapes)
+
+
+def part_info(rank: int, size: int, layout: Mapping[str, RowShard]) -> PartInfo:
+    return PartInfo(rank, size, {n: (s.start, s.stop) for n, s in layout.items()})
+
+
+class ShardGroup:
+    """The trainer ranks that publish each version together.
+
+    A gloo process group of its own (created collectively by every rank, in the same order as
+    their other groups), so the publisher threads' collectives never interleave with the
+    training loop's, on CPU or GPU (as `torch.distributed.checkpoint.async_save` does).
+
+    Args:
+        group: an existing process group to use instead of a new gloo group.
+        timeout: how long a rank waits for the others at a version (a crashed rank: the
+            version fails on the others once this passes, and is never committed).
+    """
+
+    def __init__(self, group: Any = None, *, timeout: timedelta = timedelta(minutes=30)):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("ShardGroup needs torch.distributed to be initialised")
+        self._dist = dist
+        self.group = group if group is not None else dist.new_group(backend="gloo", timeout=timeout)
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order (picklable objects)."""
+        found: list[Any] = [None] * self.size
+        self._dist.all_gather_object(found, value, group=self.group)
+        return found
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank."""
+        box = [value]
+        self._dist.broadcast_object_list(
+            box, src=self._dist.get_global_rank(self.group, 0), group=self.group
+        )
+        return box[0]

@@ -1,0 +1,254 @@
+"""Part files of sharded versions (protocol 3), written here as two ranks would, without a
+process group: each part holds its rows, and a reader joins them or refuses them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deltasync.changes import Diff, TensorChange
+from deltasync.codec import ParsedFile, ParsedParts, PartInfo, encode_anchor, encode_delta
+from deltasync.errors import DigestMismatch, FormatError
+from deltasync.manifest import ChainEntry, Manifest, PartRef
+from deltasync.replica import Replica
+from deltasync.state_digest import total
+from deltasync.state_hash import apply_changes, full_state_digest, state_sums, tensor_sum
+
+SHAPES = {"embed.weight": (17, 8), "norm.weight": (5,), "proj.weight": (3, 4)}
+SPLIT = {"embed.weight": 9, "norm.weight": 3, "proj.weight": 3}  # rank 1 holds no proj rows
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in SHAPES.items()}
+
+
+def _rows(rank: int) -> dict[str, tuple[int, int]]:
+    return {n: (0, SPLIT[n]) if rank == 0 else (SPLIT[n], SHAPES[n][0]) for n in SHAPES}
+
+
+def _block_sums(state, rank):
+    out = {}
+    for name, (start, stop) in _rows(rank).items():
+        row = state[name][0].numel() if state[name].dim() > 1 else 1
+        out[name] = tensor_sum(name, state[name][start:stop], start=start * row)
+    return out
+
+
+def anchor_parts(state, version=1, run_id="r"):
+    parts = []
+    for rank in (0, 1):
+        rows = _rows(rank)
+        block = {n: state[n][a:b].clone() for n, (a, b) in rows.items()}
+        parts.append(
+            encode_anchor(
+                block,
+                run_id=run_id,
+                version=version,
+                state_digest=total(_block_sums(state, rank)),
+                part=PartInfo(rank, 2, rows),
+                shapes=SHAPES,
+            )
+        )
+    return tuple(parts)
+
+
+def delta_parts(old, new, version=2, encoding="packed"):
+    parts = []
+    for rank in (0, 1):
+        rows = _rows(rank)
+        changes = {}
+        for name, (a, b) in rows.items():
+            row = old[name][0].numel() if old[name].dim() > 1 else 1
+            flat_old, flat_new = old[name].reshape(-1), new[name].reshape(-1)
+            lo, hi = a * row, b * row
+            moved = flat_old[lo:hi].view(torch.int16) != flat_new[lo:hi].view(torch.int16)
+            idx = torch.nonzero(moved).flatten() + lo
+            if idx.numel():
+                changes[name] = TensorChange(idx, flat_new[idx], flat_old[idx])
+        sums = apply_changes(_block_sums(old, rank), changes)
+        diff = Diff(changes, {}, dict(SHAPES))
+        parts.append(
+            encode_delta(
+                diff,
+                run_id="r",
+                version=version,
+                base_version=version - 1,
+                state_digest=total(sums),
+                encoding=encoding,
+                part=PartInfo(rank, 2, rows),
+            )
+        )
+    return tuple(parts)
+
+
+def _step(state, seed):
+    g = torch.Generator().manual_seed(seed)
+    new = {n: t.clone() for n, t in state.items()}
+    for t in new.values():
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 4)]
+        flat[idx] = (flat[idx].float() + 0.5).to(torch.bfloat16)
+    return new
+
+
+@pytest.mark.parametrize("encoding", ["packed", "coo"])
+def test_parts_join_into_the_whole_version_bitwise(encoding):
+    v1 = _state(0)
+    v2 = _step(v1, 1)
+    replica = Replica()
+    assert replica.update(anchor_parts(v1), path="v1")
+    assert replica.state_digest == full_state_digest(v1)
+    assert replica.update(delta_parts(v1, v2, encoding=encoding), path="v2")
+    for name in SHAPES:
+        assert torch.equal(replica.tensors[name].view(torch.int16), v2[name].view(torch.int16))
+    assert replica.state_digest == full_state_digest(v2) == total(state_sums(v2))
+
+
+def test_a_part_alone_is_refused():
+    replica = Replica()
+    with pytest.raises(FormatError, match="with all its parts"):
+        replica.update(anchor_parts(_state(0))[0])
+
+
+def test_missing_or_reordered_parts_are_refused():
+    parts = anchor_parts(_state(0))
+    for wrong in ((parts[0],), (parts[1], parts[0]), (parts[0], parts[0])):
+        with pytest.raises(FormatError, match="parts"):
+            Replica().update(wrong)
+
+
+def test_parts_of_different_versions_are_refused():
+    state = _state(0)
+    first, second = anchor_parts(state, version=1), anchor_parts(state, version=2)
+    with pytest.raises(FormatError, match="disagrees with part 0"):
+        Replica().update((first[0], second[1]))
+
+
+def test_a_part_whose_bytes_differ_from_its_digest_is_refused():
+    state = _state(0)
+    other = {n: t.clone() for n, t in state.items()}
+    other["norm.weight"][4] += 1  # in rank 1's rows
+    good = anchor_parts(state)
+    forged = anchor_parts(other)
+    header = ParsedFile.parse(good[1]).header.metadata  # the digest rank 1 promised for `state`
+    tensors = ParsedFile.parse(forged[1])
+    import safetensors.torch
+
+    lying = safetensors.torch.save(safetensors.torch.load(tensors.data), metadata=header)
+    replica = Replica()
+    with pytest.raises(DigestMismatch):
+        replica.update((good[0], lying))
+    assert replica.version is None
+
+
+def test_rows_that_do_not_tile_are_refused():
+    import safetensors.torch
+
+    parts = list(anchor_parts(_state(0)))
+    parsed = ParsedFile.parse(parts[1])
+    meta = dict(parsed.header.metadata)
+    rows = json.loads(meta["part_rows"])
+    rows["embed.weight"] = [10, 17]  # row 9 is in no part
+    meta["part_rows"] = json.dumps(rows)
+    entries = json.loads(meta["tensors"])
+    entries["embed.weight"][2] = 7 * 8
+    meta["tensors"] = json.dumps(entries)
+    tensors = safetensors.torch.load(parts[1])
+    tensors["embed.weight"] = tensors["embed.weight"][1:].contiguous()
+    parts[1] = safetensors.torch.save(tensors, metadata=meta)
+    with pytest.raises(FormatError, match="do not tile"):
+        ParsedParts.of([ParsedFile.parse(p) for p in parts])
+
+
+@pytest.mark.parametrize(
+    "rows, match",
+    [({"embed.weight": [0, 18]}, "bad rows"), ({}, "exactly the file's tensors")],
+)
+def test_part_rows_are_validated(rows, match):
+    import safetensors.torch
+
+    part = anchor_parts(_state(0))[0]
+    meta = dict(ParsedFile.parse(part).header.metadata)
+    found = json.loads(meta["part_rows"])
+    meta["part_rows"] = json.dumps({} if not rows else found | rows)
+    with pytest.raises(FormatError, match=match):
+        ParsedFile.parse(safetensors.torch.save(safetensors.torch.load(part), metadata=meta))
+
+
+def test_delta_part_with_changes_outside_its_rows_is_refused_at_encode():
+    v1 = _state(0)
+    change = TensorChange(
+        torch.tensor([200]), v1["embed.weight"].view(-1)[:1], v1["embed.weight"].view(-1)[:1]
+    )
+    diff = Diff({"embed.weight": change}, {}, dict(SHAPES))
+    with pytest.raises(FormatError, match="outside the part"):
+        encode_delta(
+            diff,
+            run_id="r",
+            version=2,
+            base_version=1,
+            state_digest=full_state_digest(v1),
+            part=PartInfo(0, 2, _rows(0)),
+        )
+
+
+def _entry(parts, **changes):
+    refs = tuple(
+        PartRef(f"runs/r/anchors/00000001-part{i}of2-{'ab' * 6}.safetensors", 10, "ab" * 16, d)
+        for i, d in enumerate(parts)
+    )
+    fields = dict(
+        version=1,
+        kind="anchor",
+        path=None,
+        bytes=20,
+        digest=None,
+        encoding="full",
+        changed_elements=5,
+        state_digest=None,
+        parts=refs,
+    )
+    return fields | changes
+
+
+def _digests():
+    state = _state(0)
+    return [total(_block_sums(state, r)).hex() for r in (0, 1)], full_state_digest(state).hex()
+
+
+def test_sharded_manifest_entry_round_trips():
+    parts, whole = _digests()
+    raw = _entry(parts, state_digest=whole)
+    raw["parts"] = [vars(p) for p in raw["parts"]]
+    entry = ChainEntry.from_dict(raw)
+    manifest = Manifest("r", 1, (entry,), (), 20)
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert manifest.referenced_paths() == {p.path for p in entry.parts}
+    assert entry.files == entry.parts and "+1 parts" in entry.label
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"bytes": 21}, "bytes differ"),
+        ({"path": "runs/r/anchors/00000001-abababababab.safetensors"}, "must be null"),
+        ({"state_digest": "0" * 32}, "not the sum of its parts"),
+    ],
+)
+def test_sharded_manifest_entry_must_add_up(change, match):
+    parts, whole = _digests()
+    raw = _entry(parts, state_digest=whole) | change
+    raw["parts"] = [vars(p) for p in raw["parts"]]
+    with pytest.raises(FormatError, match=match):
+        ChainEntry.from_dict(raw)
+
+
+def test_protocol_2_manifest_entries_have_no_parts_key():
+    parts, whole = _digests()
+    raw = _entry(parts, state_digest=whole)
+    raw["parts"] = [vars(p) for p in raw["parts"]]
+    with pytest.raises(FormatError, match="wrong keys"):
+        ChainEntry.from_dict(raw, protocol=2)
