@@ -27,12 +27,14 @@ import torch
 from transformers import TrainerCallback
 
 from deltasync import AnchorPolicy, Publisher, PublisherConfig, open_store
+from deltasync.shards import ShardGroup
 from deltasync.vllm_ext.client import ReplicaClient
 
 from . import defaults
 from .auth_proxy import AuthProxy
 from .envs import ENVIRONMENTS, environment_factory
 from .rewards import RewardCallback, StepRewards
+from .sharded import fsdp2_launched, sharded_trainer_class
 from .tasks import DEFAULT_CHARS, sanity_dataset, sanity_reward
 from .weight_sync import BucketWeightTransfer
 
@@ -160,7 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.vllm_api_key:  # TRL sends no credentials: give it a loopback proxy that adds them
         rollout_url = stack.enter_context(AuthProxy(urls[0], args.vllm_api_key)).url
     config = build_config(args, model=model, cpu=cpu, vllm_url=rollout_url)
+    sharded = fsdp2_launched()  # FSDP2 ranks: each publishes its own rows
+    if sharded and args.verify_replicas:
+        raise SystemExit("--verify-replicas hashes whole tensors, which no FSDP2 rank holds")
+    shards = ShardGroup() if sharded else None
     run_id = args.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+    if shards is not None:
+        run_id = shards.broadcast(run_id)  # rank 0's clock names the run for every rank
     publisher = Publisher(
         open_store(args.bucket),
         PublisherConfig(
@@ -171,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
             write_metrics=False,  # the transfer writes each record once, replicas and reward in
         ),
+        shards=shards,
     )
     replicas = {f"vllm-{i}": ReplicaClient(u, args.vllm_api_key) for i, u in enumerate(urls)}
     rewards = StepRewards(step=lambda: trainer.state.global_step)  # read during train() only
@@ -182,14 +191,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         rewards=rewards,
     )
     task = _task(args, tokenizer)
-    trainer = AsyncGRPOTrainer(
+    trainer_class = sharded_trainer_class() if sharded else AsyncGRPOTrainer
+    trainer = trainer_class(
         model=model, args=config, processing_class=tokenizer, weight_transfer=transfer, **task
     )
+    if sharded:
+        trainer.rank_publisher = publisher
     trainer.add_callback(RewardCallback(rewards))
     trainer.add_callback(_DrainRollouts(trainer))
     log.info("run %s: %d steps, bucket %s, replicas %s", run_id, args.steps, args.bucket, urls)
     with stack:
         trainer.train()
+    if sharded and not trainer.accelerator.is_main_process:
+        publisher.close(timeout=600)  # rank 0's transfer closes its own
     lagging = sorted(transfer.state.lagging)
     log.info(
         "done: run %s, last version %s, replicas %s%s",
