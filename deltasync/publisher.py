@@ -108,8 +108,10 @@ class Publisher:
     def __init__(self, store: Store, config: PublisherConfig, *, shards: ShardGroup | None = None):
         self.store = store
         self.config = config
-        self.shards = shards if shards is not None and shards.size > 1 else None
+        self._group = shards
+        self.shards = shards if shards is not None and shards.size > 1 else None  # parts
         self._layout: dict[str, RowShard] | None = None
+        self.last_parts: list[dict[str, float | int]] = []  # per rank, the last version
         self._lock = threading.Lock()
         self._snapshot: Bf16Snapshot | None = None
         self._manifest: Manifest | None = None
@@ -174,10 +176,13 @@ class Publisher:
         self.close()
 
     def _local(self, source: NamedTensors) -> NamedTensors:
-        """This rank's rows of every parameter when sharded (the layout may not change)."""
-        if self.shards is None:
+        """This rank's rows of every parameter when sharded (the layout may not change); a
+        group of one holds whole tensors, published as one file."""
+        if self._group is None:
             return source
         local, layout = local_rows(source)
+        if self.shards is None:
+            return local
         if all(s.start == 0 and s.stop == (s.shape[0] if s.shape else 1) for s in layout.values()):
             raise PublishError(
                 "no parameter is sharded (DDP or one process holds everything): publish from "
@@ -356,6 +361,18 @@ class Publisher:
             self._manifest = manifest
             self._pending.remove(job)
         diff_s, encode_s, upload_s = (max(o.seconds[i] for o in outcomes) for i in range(3))
+        self.last_parts = [
+            {
+                "rank": rank,
+                "bytes": sum(p.bytes for p in (o.delta, o.anchor) if p),
+                "changed": o.changed,
+                "elements": o.elements,
+                "diff_s": o.seconds[0],
+                "encode_s": o.seconds[1],
+                "upload_s": o.seconds[2],
+            }
+            for rank, o in enumerate(outcomes)
+        ]
         record = SyncRecord(
             run_id=self.config.run_id,
             version=job.version,

