@@ -4,10 +4,11 @@ Launches `torchrun --standalone --nproc_per_node R` for each rank count R; every
 rows of a Qwen3-shaped model (R = 1: the whole model, unsharded), moves a share of its elements
 per step as `bench.synthetic` does (89 % by one bit-pattern step), and publishes each step to a
 local bucket. Reported per rank: the diff (training thread), encode (incl. the full-state
-digest) and upload seconds, part bytes, and the publisher's memory: its snapshot (the rank's
-shard in bf16) plus the peak extra RSS while a version is published over the RSS before it
-(after one warm-up delta that compiles the loops), next to the allowance of the rank's shard
-plus its largest full parameter in bf16.
+digest) and upload seconds, the process's CPU seconds for the whole publish (all threads: what a
+rank costs when ranks do not share cores, as they do on this 2-core machine), part bytes, and the
+publisher's memory: its snapshot (the rank's shard in bf16) plus the peak extra RSS while a
+version is published over the RSS before it (after one warm-up delta that compiles the loops),
+next to the allowance of the rank's shard plus its largest full parameter in bf16.
 
 Usage:
   .venv/bin/python -m bench.sharded --shape qwen3-0.6b --ranks 1 2 --steps 3 \
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -86,8 +88,10 @@ def _worker(args: argparse.Namespace) -> None:
                     moved = bits + torch.from_numpy(moves.astype(np.int16))
                     flat[index] = moved.view(torch.bfloat16).to(flat.dtype)
             dist.barrier()
+            cpu = time.process_time()
             with PeakRss(process, 0.01, tree=False) as rss:
                 record = publisher.publish(model).result()
+            cpu = time.process_time() - cpu
             mine = publisher.last_parts[rank] if size > 1 else None
             if step == 0:
                 continue
@@ -100,6 +104,7 @@ def _worker(args: argparse.Namespace) -> None:
                     "changed": mine["changed"] if mine else record.changed_elements,
                     "elements": mine["elements"] if mine else record.total_elements,
                     "peak_extra_bytes": rss.extra,
+                    "cpu_s": cpu,
                 }
             )
     out = {"rank": rank, "ranks": size, "shard_bytes": shard_bytes, "largest_param": largest}
@@ -151,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     lines = [
         "| ranks | rank | shard bf16 MB | density | part MB | diff s | encode s | diff+encode s "
-        "| publisher MB (snapshot + peak extra) | shard + largest param MB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| CPU s | publisher MB (snapshot + peak extra) | shard + largest param MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     results = {}
     for ranks in args.ranks:
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {ranks} | {fig['rank']} | {fig['shard_bytes'] / 1e6:.0f} "
                 f"| {med['changed'] / med['elements']:.2%} | {med['bytes'] / 1e6:.1f} "
                 f"| {med['diff_s']:.2f} | {med['encode_s']:.2f} "
-                f"| {med['diff_s'] + med['encode_s']:.2f} "
+                f"| {med['diff_s'] + med['encode_s']:.2f} | {med['cpu_s']:.2f} "
                 f"| {(fig['shard_bytes'] + max(s['peak_extra_bytes'] for s in steps)) / 1e6:.0f} "
                 f"| {(fig['shard_bytes'] + fig['largest_param']) / 1e6:.0f} |"
             )
