@@ -196,12 +196,12 @@ class BucketWatcher:
 
     def _read_headers(self, manifest: Manifest, deadline: float, reads: list[int]) -> list[FileRow]:
         entries = sorted((*manifest.anchors, *manifest.deltas), key=lambda e: (e.version, e.kind))
-        live = {e.path for e in entries}
+        live = {e.label for e in entries}
         for path in [p for p in self._cache.headers if p not in live]:  # retention deleted them
             del self._cache.headers[path]
         rows = []
         for entry in reversed(entries):  # newest first: they matter most when the budget is short
-            cached = self._cache.headers.get(entry.path)
+            cached = self._cache.headers.get(entry.label)
             if cached is None and reads[0] > 0 and time.monotonic() < deadline:
                 reads[0] -= 1
                 cached = self._fetch_header(entry, manifest.run_id)
@@ -218,7 +218,7 @@ class BucketWatcher:
             info = exc
         except DeltaSyncError as exc:
             return f"unreadable: {exc}"
-        self._cache.headers[entry.path] = info
+        self._cache.headers[entry.label] = info
         return info
 
     def _read_metrics(

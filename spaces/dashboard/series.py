@@ -187,7 +187,7 @@ def _file_json(file: FileRow) -> dict[str, Any]:
         "version": e.version,
         "kind": e.kind,
         "encoding": e.encoding,
-        "name": e.path,  # not "path": Gradio clients take {"path": ...} for a file to download
+        "name": e.label,  # not "path": Gradio clients take {"path": ...} for a file to download
         "bytes": e.bytes,
         "sparsity": h.sparsity if h is not None and e.kind == "delta" else None,
         "changed_elements": h.changed_elements if h is not None else None,

@@ -7,97 +7,31 @@ import json
 
 import pytest
 import torch
+from sharded_bucket import (
+    SHAPES,
+    anchor_parts,
+    block_sums,
+    delta_parts,
+    rows_of,
+    state_at,
+    step,
+    write_sharded_bucket,
+)
 
 from deltasync.changes import Diff, TensorChange
-from deltasync.codec import ParsedFile, ParsedParts, PartInfo, encode_anchor, encode_delta
+from deltasync.codec import ParsedFile, ParsedParts, PartInfo, encode_delta
 from deltasync.errors import DigestMismatch, FormatError
-from deltasync.manifest import ChainEntry, Manifest, PartRef
+from deltasync.manifest import ChainEntry, Manifest, PartRef, read_manifest
 from deltasync.replica import Replica
 from deltasync.state_digest import total
-from deltasync.state_hash import apply_changes, full_state_digest, state_sums, tensor_sum
-
-SHAPES = {"embed.weight": (17, 8), "norm.weight": (5,), "proj.weight": (3, 4)}
-SPLIT = {"embed.weight": 9, "norm.weight": 3, "proj.weight": 3}  # rank 1 holds no proj rows
-
-
-def _state(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in SHAPES.items()}
-
-
-def _rows(rank: int) -> dict[str, tuple[int, int]]:
-    return {n: (0, SPLIT[n]) if rank == 0 else (SPLIT[n], SHAPES[n][0]) for n in SHAPES}
-
-
-def _block_sums(state, rank):
-    out = {}
-    for name, (start, stop) in _rows(rank).items():
-        row = state[name][0].numel() if state[name].dim() > 1 else 1
-        out[name] = tensor_sum(name, state[name][start:stop], start=start * row)
-    return out
-
-
-def anchor_parts(state, version=1, run_id="r"):
-    parts = []
-    for rank in (0, 1):
-        rows = _rows(rank)
-        block = {n: state[n][a:b].clone() for n, (a, b) in rows.items()}
-        parts.append(
-            encode_anchor(
-                block,
-                run_id=run_id,
-                version=version,
-                state_digest=total(_block_sums(state, rank)),
-                part=PartInfo(rank, 2, rows),
-                shapes=SHAPES,
-            )
-        )
-    return tuple(parts)
-
-
-def delta_parts(old, new, version=2, encoding="packed"):
-    parts = []
-    for rank in (0, 1):
-        rows = _rows(rank)
-        changes = {}
-        for name, (a, b) in rows.items():
-            row = old[name][0].numel() if old[name].dim() > 1 else 1
-            flat_old, flat_new = old[name].reshape(-1), new[name].reshape(-1)
-            lo, hi = a * row, b * row
-            moved = flat_old[lo:hi].view(torch.int16) != flat_new[lo:hi].view(torch.int16)
-            idx = torch.nonzero(moved).flatten() + lo
-            if idx.numel():
-                changes[name] = TensorChange(idx, flat_new[idx], flat_old[idx])
-        sums = apply_changes(_block_sums(old, rank), changes)
-        diff = Diff(changes, {}, dict(SHAPES))
-        parts.append(
-            encode_delta(
-                diff,
-                run_id="r",
-                version=version,
-                base_version=version - 1,
-                state_digest=total(sums),
-                encoding=encoding,
-                part=PartInfo(rank, 2, rows),
-            )
-        )
-    return tuple(parts)
-
-
-def _step(state, seed):
-    g = torch.Generator().manual_seed(seed)
-    new = {n: t.clone() for n, t in state.items()}
-    for t in new.values():
-        flat = t.view(-1)
-        idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 4)]
-        flat[idx] = (flat[idx].float() + 0.5).to(torch.bfloat16)
-    return new
+from deltasync.state_hash import full_state_digest, state_sums
+from deltasync.store import LocalStore
 
 
 @pytest.mark.parametrize("encoding", ["packed", "coo"])
 def test_parts_join_into_the_whole_version_bitwise(encoding):
-    v1 = _state(0)
-    v2 = _step(v1, 1)
+    v1 = state_at(0)
+    v2 = step(v1, 1)
     replica = Replica()
     assert replica.update(anchor_parts(v1), path="v1")
     assert replica.state_digest == full_state_digest(v1)
@@ -110,25 +44,25 @@ def test_parts_join_into_the_whole_version_bitwise(encoding):
 def test_a_part_alone_is_refused():
     replica = Replica()
     with pytest.raises(FormatError, match="with all its parts"):
-        replica.update(anchor_parts(_state(0))[0])
+        replica.update(anchor_parts(state_at(0))[0])
 
 
 def test_missing_or_reordered_parts_are_refused():
-    parts = anchor_parts(_state(0))
+    parts = anchor_parts(state_at(0))
     for wrong in ((parts[0],), (parts[1], parts[0]), (parts[0], parts[0])):
         with pytest.raises(FormatError, match="parts"):
             Replica().update(wrong)
 
 
 def test_parts_of_different_versions_are_refused():
-    state = _state(0)
+    state = state_at(0)
     first, second = anchor_parts(state, version=1), anchor_parts(state, version=2)
     with pytest.raises(FormatError, match="disagrees with part 0"):
         Replica().update((first[0], second[1]))
 
 
 def test_a_part_whose_bytes_differ_from_its_digest_is_refused():
-    state = _state(0)
+    state = state_at(0)
     other = {n: t.clone() for n, t in state.items()}
     other["norm.weight"][4] += 1  # in rank 1's rows
     good = anchor_parts(state)
@@ -147,7 +81,7 @@ def test_a_part_whose_bytes_differ_from_its_digest_is_refused():
 def test_rows_that_do_not_tile_are_refused():
     import safetensors.torch
 
-    parts = list(anchor_parts(_state(0)))
+    parts = list(anchor_parts(state_at(0)))
     parsed = ParsedFile.parse(parts[1])
     meta = dict(parsed.header.metadata)
     rows = json.loads(meta["part_rows"])
@@ -170,7 +104,7 @@ def test_rows_that_do_not_tile_are_refused():
 def test_part_rows_are_validated(rows, match):
     import safetensors.torch
 
-    part = anchor_parts(_state(0))[0]
+    part = anchor_parts(state_at(0))[0]
     meta = dict(ParsedFile.parse(part).header.metadata)
     found = json.loads(meta["part_rows"])
     meta["part_rows"] = json.dumps({} if not rows else found | rows)
@@ -179,7 +113,7 @@ def test_part_rows_are_validated(rows, match):
 
 
 def test_delta_part_with_changes_outside_its_rows_is_refused_at_encode():
-    v1 = _state(0)
+    v1 = state_at(0)
     change = TensorChange(
         torch.tensor([200]), v1["embed.weight"].view(-1)[:1], v1["embed.weight"].view(-1)[:1]
     )
@@ -191,7 +125,7 @@ def test_delta_part_with_changes_outside_its_rows_is_refused_at_encode():
             version=2,
             base_version=1,
             state_digest=full_state_digest(v1),
-            part=PartInfo(0, 2, _rows(0)),
+            part=PartInfo(0, 2, rows_of(0)),
         )
 
 
@@ -215,8 +149,8 @@ def _entry(parts, **changes):
 
 
 def _digests():
-    state = _state(0)
-    return [total(_block_sums(state, r)).hex() for r in (0, 1)], full_state_digest(state).hex()
+    state = state_at(0)
+    return [total(block_sums(state, r)).hex() for r in (0, 1)], full_state_digest(state).hex()
 
 
 def test_sharded_manifest_entry_round_trips():
@@ -252,3 +186,13 @@ def test_protocol_2_manifest_entries_have_no_parts_key():
     raw["parts"] = [vars(p) for p in raw["parts"]]
     with pytest.raises(FormatError, match="wrong keys"):
         ChainEntry.from_dict(raw, protocol=2)
+
+
+def test_a_sharded_bucket_syncs_and_verifies(tmp_path):
+    states = write_sharded_bucket(tmp_path, versions=4)
+    store = LocalStore(str(tmp_path))
+    replica = Replica()
+    assert replica.sync(store) == [1, 2, 3, 4]
+    for name, tensor in states[-1].items():
+        assert torch.equal(replica.tensors[name].view(torch.int16), tensor.view(torch.int16))
+    assert replica.state_digest.hex() == read_manifest(store).deltas[-1].state_digest
