@@ -196,3 +196,17 @@ def test_a_sharded_bucket_syncs_and_verifies(tmp_path):
     for name, tensor in states[-1].items():
         assert torch.equal(replica.tensors[name].view(torch.int16), tensor.view(torch.int16))
     assert replica.state_digest.hex() == read_manifest(store).deltas[-1].state_digest
+
+
+def test_unsharded_parameters_on_a_sharded_publisher_are_refused(tmp_path):
+    """Plain DDP (every rank holds everything) publishes from rank 0 alone."""
+    from types import SimpleNamespace
+
+    from deltasync import Publisher, PublisherConfig
+    from deltasync.errors import PublishError
+
+    group = SimpleNamespace(rank=0, size=2)  # refused before any collective
+    publisher = Publisher(LocalStore(str(tmp_path)), PublisherConfig(run_id="r"), shards=group)
+    with pytest.raises(PublishError, match="rank 0 alone"):
+        publisher.publish(state_at(0))
+    assert not list(tmp_path.iterdir())

@@ -7,8 +7,9 @@ and calls `Publisher.publish(model)` with a `ShardGroup`: it diffs only its rows
 part. With `--expected`, the ranks also all-gather every parameter after each publish and rank 0
 saves the full bf16 state per version (for the tests' bitwise comparison only). With
 `--crash-rank R --crash-version V`, rank R dies (`os._exit`) while uploading its part of version
-V, before the upload lands. `--resume` continues a run from the bucket's last committed version:
-the model is loaded from the replayed bucket first (what a trainer restart does).
+V, before the upload lands (with `--fail-instead` its upload raises instead, and every rank
+exits with status 3 at that version). `--resume` continues a run from the bucket's last
+committed version: the model is loaded from the replayed bucket first (what a restart does).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from deltasync import Publisher, PublisherConfig
+from deltasync.errors import PublishError
 from deltasync.policy import AnchorPolicy
 from deltasync.replica import Replica
 from deltasync.shards import ShardGroup
@@ -45,16 +48,19 @@ def qwen3_shaped(vocab: int, intermediate: int, seed: int) -> torch.nn.Module:
     return Qwen3ForCausalLM(config).float()
 
 
-class CrashingStore(LocalStore):
-    """Dies while writing one rank's part of one version (before the bytes land)."""
+class FaultyStore(LocalStore):
+    """Dies (`os._exit`) or fails (`OSError`) while writing one rank's part of one version,
+    before the bytes land."""
 
-    def __init__(self, root: str, marker: str | None):
+    def __init__(self, root: str, marker: str | None, *, die: bool):
         super().__init__(root)
-        self.marker = marker
+        self.marker, self.die = marker, die
 
     def put(self, path: str, data: bytes) -> None:
         if self.marker is not None and self.marker in path:
-            os._exit(17)
+            if self.die:
+                os._exit(17)
+            raise OSError(f"injected upload failure for {path}")
         super().put(path, data)
 
 
@@ -75,6 +81,7 @@ def main() -> None:
     parser.add_argument("--expected", help="folder for the full bf16 state of each version")
     parser.add_argument("--crash-rank", type=int)
     parser.add_argument("--crash-version", type=int)
+    parser.add_argument("--fail-instead", action="store_true", help="raise instead of dying")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--report", help="JSON file: per-rank memory and timings")
     args = parser.parse_args()
@@ -97,7 +104,7 @@ def main() -> None:
     marker = None
     if args.crash_rank == rank and args.crash_version is not None:
         marker = f"{args.crash_version:08d}-part{rank}of"
-    store = CrashingStore(args.bucket, marker)
+    store = FaultyStore(args.bucket, marker, die=not args.fail_instead)
     config = PublisherConfig(
         run_id=args.run_id,
         policy=AnchorPolicy(interval=args.anchor_interval, max_delta_fraction=None, keep_anchors=8),
@@ -114,7 +121,11 @@ def main() -> None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             started = time.perf_counter()
-            record = publisher.publish(model).result(timeout=300)
+            try:
+                record = publisher.publish(model).result(timeout=300)
+            except PublishError as exc:  # every rank stops at the version a rank failed
+                print(f"rank {rank}: {exc}", file=sys.stderr)
+                sys.exit(3)
             records.append(
                 {
                     "version": record.version,

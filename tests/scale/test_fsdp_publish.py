@@ -93,3 +93,23 @@ def test_rank_killed_mid_upload_commits_nothing_and_a_restart_resumes(tmp_path):
     resumed = next(d for d in manifest.deltas if d.version == 4)
     assert resumed.changed_elements == 0  # the restart starts from the bucket's weights
     assert_replays_bitwise(bucket, expected, range(1, 8))
+
+
+def test_a_failed_part_fails_the_version_on_every_rank(tmp_path):
+    bucket = tmp_path / "bucket"
+    failed = torchrun(
+        "--bucket",
+        str(bucket),
+        "--steps",
+        "4",
+        "--crash-rank",
+        "1",
+        "--crash-version",
+        "3",
+        "--fail-instead",
+        check=False,
+    )
+    assert failed.returncode != 0
+    assert "rank 0: version 3 was not published: rank 1: injected upload failure" in failed.stderr
+    assert "rank 1: version 3 was not published" in failed.stderr
+    assert read_manifest(LocalStore(str(bucket))).latest_version == 2
