@@ -13,9 +13,9 @@ import torch
 
 from .changes import Diff, scatter
 from .codec import encode_anchor, encode_delta
-from .codec.metadata import validate_run_id
+from .codec.metadata import check_tiling, validate_run_id
 from .digest import bytes_digest
-from .errors import PublishError, StoreError
+from .errors import FormatError, PublishError, StoreError
 from .manifest import (
     MANIFEST_PATH,
     ChainEntry,
@@ -67,9 +67,11 @@ class PublisherConfig:
 
 @dataclass(frozen=True)
 class _PartOutcome:
-    """What one rank reports for a version of a sharded run: its part files, or its error."""
+    """What one rank reports for a version of a sharded run: its part files and rows, or its
+    error."""
 
     version: int
+    rows: dict[str, tuple[int, int]] | None = None
     delta: PartRef | None = None
     anchor: PartRef | None = None
     changed: int = 0
@@ -183,10 +185,16 @@ class Publisher:
         local, layout = local_rows(source)
         if self.shards is None:
             return local
-        if all(s.start == 0 and s.stop == (s.shape[0] if s.shape else 1) for s in layout.values()):
+        plain = sorted(n for n, s in layout.items() if not s.sharded)
+        if plain and len(plain) == len(layout):
             raise PublishError(
                 "no parameter is sharded (DDP or one process holds everything): publish from "
                 "rank 0 alone, with a Publisher built without `shards`"
+            )
+        if plain:
+            raise PublishError(
+                f"parameters {plain[:5]} are not sharded while others are: every rank would "
+                "write all their rows (apply fully_shard to the root module as well)"
             )
         if self._layout is not None and layout != self._layout:
             moved = sorted(n for n in layout if layout[n] != self._layout.get(n))[:5]
@@ -204,7 +212,13 @@ class Publisher:
             replica = Replica()
             replica.sync(self.store)
             tensors, sums = dict(replica.tensors), dict(replica.state_sums)
-            if self._layout is not None:
+            if self._layout is not None:  # the whole model once, then only this rank's rows
+                shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+                if shapes != {n: s.shape for n, s in self._layout.items()}:
+                    raise PublishError(
+                        f"run {manifest.run_id} in the bucket holds other parameters than this "
+                        "rank's model; resume it with the model it was published from"
+                    )
                 tensors = {n: tensors[n][s.start : s.stop].clone() for n, s in self._layout.items()}
                 sums = _block_sums(tensors, self._layout)
             self._snapshot = Bf16Snapshot(tensors)
@@ -331,6 +345,14 @@ class Publisher:
         errors = [o.error for o in outcomes if o.error]
         if len({o.version for o in outcomes}) > 1:
             errors.append(f"ranks are at versions {[o.version for o in outcomes]}")
+        if not errors:  # every reader would refuse parts whose rows do not tile: commit none
+            try:
+                check_tiling(
+                    {n: s.shape for n, s in (self._layout or {}).items()},
+                    [o.rows or {} for o in outcomes],
+                )
+            except FormatError as exc:
+                errors.append(f"the ranks' rows do not fit together: {exc}")
         if errors:
             raise PublishError("; ".join(errors), version=job.version)
         deltas = [o.delta for o in outcomes if o.delta]
@@ -395,7 +417,8 @@ class Publisher:
             committed_at=manifest.updated_at,
         )
         if shards.rank == 0:
-            self._after_commit(record, previous, manifest)
+            uploaded = {p.path for p in (*deltas, *anchors)}
+            self._after_commit(record, previous, manifest, uploaded)
         return record
 
     def _write_part(self, job: _Job) -> tuple[_PartOutcome, dict[str, StateDigest]]:
@@ -442,7 +465,8 @@ class Publisher:
         elements = sum(t.numel() for t in snapshot.tensors.values())
         changed = elements if job.diff is None else job.diff.changed_elements
         seconds = (job.diff_s, encode_s, upload_s)
-        return _PartOutcome(job.version, delta, anchor, changed, elements, seconds), sums
+        outcome = _PartOutcome(job.version, info.rows, delta, anchor, changed, elements, seconds)
+        return outcome, sums
 
     def _upload_part(self, data: bytes, kind: str, version: int, digest: StateDigest) -> PartRef:
         shards = self.shards
@@ -488,7 +512,11 @@ class Publisher:
         return manifest
 
     def _after_commit(
-        self, record: SyncRecord, previous: Manifest | None, manifest: Manifest
+        self,
+        record: SyncRecord,
+        previous: Manifest | None,
+        manifest: Manifest,
+        uploaded: set[str] | None = None,
     ) -> None:
         """Metrics record (unless the caller writes it), then retention: files the new manifest
         no longer names are deleted.
@@ -504,7 +532,8 @@ class Publisher:
             return
         # Also this version's own delta when retention already drops it (keep_anchors=1 and an
         # anchor at this version): no manifest ever names it, so nothing else would delete it.
-        uploaded = {p for p in (record.delta_path, record.anchor_path) if p}
+        if uploaded is None:
+            uploaded = {p for p in (record.delta_path, record.anchor_path) if p}
         for path in sorted((previous.referenced_paths() | uploaded) - manifest.referenced_paths()):
             try:
                 self.store.delete(path)

@@ -27,11 +27,13 @@ __all__ = ["RowShard", "ShardGroup", "local_rows", "to_global"]
 
 @dataclass(frozen=True)
 class RowShard:
-    """Rows `[start, stop)` of a parameter whose full shape is `shape`."""
+    """Rows `[start, stop)` of a parameter whose full shape is `shape`; `sharded` is False for
+    a plain tensor (every rank holds all of it)."""
 
     shape: tuple[int, ...]
     start: int
     stop: int
+    sharded: bool = True
 
     @property
     def offset(self) -> int:
@@ -57,7 +59,8 @@ def local_rows(source: NamedTensors) -> tuple[dict[str, torch.Tensor], dict[str,
     for name, tensor in items:
         shape = tuple(tensor.shape)
         if not isinstance(tensor, DTensor):
-            local[name], layout[name] = tensor, RowShard(shape, 0, shape[0] if shape else 1)
+            rows = shape[0] if shape else 1
+            local[name], layout[name] = tensor, RowShard(shape, 0, rows, sharded=False)
             continue
         placements = tuple(tensor.placements)
         if placements != (Shard(0),) or not shape:
@@ -70,8 +73,8 @@ def local_rows(source: NamedTensors) -> tuple[dict[str, torch.Tensor], dict[str,
         rows, offset = compute_local_shape_and_global_offset(
             tensor.shape, tensor.device_mesh, tensor.placements
         )
-        start = offset[0] if rows[0] else 0  # an empty block has no meaningful offset
-        local[name], layout[name] = block, RowShard(shape, start, start + rows[0])
+        # An empty block (torch.chunk leaves the last ranks none) starts where the rows end.
+        local[name], layout[name] = block, RowShard(shape, offset[0], offset[0] + rows[0])
     kept = dict(named_tensors(local))  # tied aliases share their local storage too
     return kept, {n: layout[n] for n in kept}
 
@@ -111,6 +114,8 @@ class ShardGroup:
             raise RuntimeError("ShardGroup needs torch.distributed to be initialised")
         self._dist = dist
         self.group = group if group is not None else dist.new_group(backend="gloo", timeout=timeout)
+        if dist.get_backend(self.group) != "gloo":  # object collectives from a worker thread
+            raise ValueError("ShardGroup needs a gloo process group (the default makes one)")
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
 

@@ -18,6 +18,7 @@ from .metadata import (
     ParsedParts,
     PartInfo,
     TensorEntry,
+    check_tiling,
     read_metadata,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "SafetensorsHeader",
     "TensorEntry",
     "TensorInfo",
+    "check_tiling",
     "decode",
     "encode_anchor",
     "encode_delta",

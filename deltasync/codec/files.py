@@ -112,7 +112,7 @@ def encode_delta(
     if base_version != version - 1:  # readers refuse anything else (bucket_layout.md)
         raise FormatError(f"base_version {base_version} must be version - 1 ({version - 1})")
     entries = {
-        n: TensorEntry(shape, diff.digests.get(n), _changed_count(diff, n))
+        n: TensorEntry(shape, None if part else diff.digests[n], _changed_count(diff, n))
         for n, shape in diff.shapes.items()
     }
     if part is not None:

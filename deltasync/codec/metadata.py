@@ -25,6 +25,7 @@ __all__ = [
     "PartInfo",
     "TensorEntry",
     "check_protocol",
+    "check_tiling",
     "read_metadata",
     "validate_run_id",
 ]
@@ -389,6 +390,19 @@ class ParsedFile:
         return replace(self, meta=replace(meta, **fields))
 
 
+def check_tiling(
+    shapes: dict[str, tuple[int, ...]], rows: Sequence[dict[str, tuple[int, int]]]
+) -> None:
+    """The parts' rows, in part order, must tile dim 0 of every tensor (a part may hold none:
+    an empty range where the previous one ends)."""
+    for name, shape in shapes.items():
+        edges = [tuple(r.get(name, (-1, -1))) for r in rows]
+        starts = [start for start, _ in edges]
+        stops = [stop for _, stop in edges]
+        if not shape or starts != [0, *stops[:-1]] or stops[-1] != shape[0]:
+            raise FormatError(f"parts' rows {edges} do not tile dim 0 of {shape}", tensor=name)
+
+
 @dataclass(frozen=True)
 class ParsedParts:
     """The part files of one sharded version, checked to fit together.
@@ -425,16 +439,13 @@ class ParsedParts:
                     f"{differs or ['tensors']}",
                     path=path,
                 )
-        for name, entry in first.tensors.items():
-            edges = [m.part.rows[name] for m in metas]  # type: ignore[union-attr]
-            starts = [start for start, _ in edges]
-            stops = [stop for _, stop in edges]
-            if starts != [0, *stops[:-1]] or stops[-1] != entry.shape[0]:
-                raise FormatError(
-                    f"parts' rows {edges} do not tile dim 0 of {entry.shape}",
-                    path=path,
-                    tensor=name,
-                )
+        try:
+            check_tiling(
+                {n: e.shape for n, e in first.tensors.items()},
+                [m.part.rows for m in metas],  # type: ignore[union-attr]
+            )
+        except FormatError as exc:
+            raise FormatError(str(exc), path=path, tensor=exc.tensor) from None
         tensors = {
             n: TensorEntry(e.shape, None, sum(m.tensors[n].changed for m in metas))
             for n, e in first.tensors.items()

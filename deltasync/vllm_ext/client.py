@@ -108,7 +108,9 @@ class ReplicaClient:
         version and digest they hold must agree."""
         return self._merged(self.rpc_all("deltasync_status"))
 
-    def _merged(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+    def _merged(self, results: list[Any]) -> dict[str, Any]:
+        if not all(isinstance(r, dict) and isinstance(r.get("staging"), dict) for r in results):
+            raise ReplicaError("workers sent no status", url=self.base_url, body=str(results))
         first = results[0]
         for key in ("run_id", "version", "state_digest"):
             if any(r.get(key) != first.get(key) for r in results[1:]):
@@ -117,7 +119,7 @@ class ReplicaClient:
                 )
         staging = {}
         for version in {v for r in results for v in r["staging"]}:
-            states = [r["staging"].get(version, "missing") for r in results]
+            states = [str(r["staging"].get(version, "missing")) for r in results]
             staging[version] = next(
                 (s for s in states if s.startswith("failed")),
                 next((s for s in states if s != "ready"), "ready"),

@@ -285,7 +285,7 @@ def _health(manifest: Manifest) -> Health:
         latest_version=manifest.latest_version,
         latest_anchor=anchor.version,
         replay_bytes=anchor.bytes + sum(d.bytes for d in after),
-        replay_files=1 + len(after),
+        replay_files=len(anchor.files) + sum(len(d.files) for d in after),
         model_bytes=manifest.model_bytes,
         anchors=len(manifest.anchors),
         deltas=len(manifest.deltas),

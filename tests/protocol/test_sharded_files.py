@@ -210,3 +210,15 @@ def test_unsharded_parameters_on_a_sharded_publisher_are_refused(tmp_path):
     with pytest.raises(PublishError, match="rank 0 alone"):
         publisher.publish(state_at(0))
     assert not list(tmp_path.iterdir())
+
+
+def test_empty_trailing_parts_tile_where_the_rows_end():
+    """FSDP2 splits 5 rows over 4 ranks as torch.chunk does: 2, 2, 1, 0; the empty block sits at
+    the end of the rows, not at 0."""
+    from deltasync.codec import check_tiling
+
+    check_tiling({"w": (5, 3)}, [{"w": (0, 2)}, {"w": (2, 4)}, {"w": (4, 5)}, {"w": (5, 5)}])
+    with pytest.raises(FormatError, match="do not tile"):
+        check_tiling({"w": (5, 3)}, [{"w": (0, 2)}, {"w": (2, 4)}, {"w": (4, 5)}, {"w": (0, 0)}])
+    with pytest.raises(FormatError, match="do not tile"):  # two ranks writing all rows (DDP)
+        check_tiling({"w": (5, 3)}, [{"w": (0, 5)}, {"w": (0, 5)}])

@@ -58,8 +58,12 @@ def test_fuzz_manifest_parse(bucket, raw) -> None:
     event("accepted")
     entries = (*manifest.anchors, *manifest.deltas)
     for entry in entries:
-        validate_path(entry.path)
-        assert entry.path == file_path(manifest.run_id, entry.kind, entry.version, entry.digest)
+        for index, file in enumerate(entry.files):
+            validate_path(file.path)
+            part = None if entry.parts is None else (index, len(entry.parts))
+            assert file.path == file_path(
+                manifest.run_id, entry.kind, entry.version, file.digest, part
+            )
     versions = [d.version for d in manifest.deltas]
     assert versions == list(range(versions[0], versions[0] + len(versions))) if versions else True
     assert manifest.latest_version == max(e.version for e in entries)

@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=509)
     parser.add_argument("--intermediate", type=int, default=130)
     parser.add_argument("--anchor-interval", type=int, default=4)
+    parser.add_argument("--keep-anchors", type=int, default=8)
+    parser.add_argument("--unsharded-root", action="store_true", help="fully_shard layers only")
     parser.add_argument("--expected", help="folder for the full bf16 state of each version")
     parser.add_argument("--crash-rank", type=int)
     parser.add_argument("--crash-version", type=int)
@@ -97,7 +99,8 @@ def main() -> None:
         del replica
     for layer in model.model.layers:
         fully_shard(layer)
-    fully_shard(model)
+    if not args.unsharded_root:  # else embeddings, final norm and head stay plain tensors
+        fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(1 + rank)
 
@@ -107,7 +110,9 @@ def main() -> None:
     store = FaultyStore(args.bucket, marker, die=not args.fail_instead)
     config = PublisherConfig(
         run_id=args.run_id,
-        policy=AnchorPolicy(interval=args.anchor_interval, max_delta_fraction=None, keep_anchors=8),
+        policy=AnchorPolicy(
+            interval=args.anchor_interval, max_delta_fraction=None, keep_anchors=args.keep_anchors
+        ),
     )
     shards = ShardGroup()
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

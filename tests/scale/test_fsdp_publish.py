@@ -113,3 +113,24 @@ def test_a_failed_part_fails_the_version_on_every_rank(tmp_path):
     assert "rank 0: version 3 was not published: rank 1: injected upload failure" in failed.stderr
     assert "rank 1: version 3 was not published" in failed.stderr
     assert read_manifest(LocalStore(str(bucket))).latest_version == 2
+
+
+def test_partly_sharded_models_are_refused_before_anything_is_written(tmp_path):
+    bucket = tmp_path / "bucket"
+    refused = torchrun("--bucket", str(bucket), "--steps", "1", "--unsharded-root", check=False)
+    assert refused.returncode != 0
+    assert "are not sharded while others are" in refused.stderr
+    assert not bucket.exists() or not list(bucket.rglob("*.safetensors"))
+
+
+def test_retention_deletes_every_part_it_drops(tmp_path):
+    """keep_anchors=1 with an anchor every 2 versions: each anchor version's own delta is dropped
+    at once, with all its parts; nothing the manifest does not name stays behind."""
+    bucket = tmp_path / "bucket"
+    torchrun(
+        "--bucket", str(bucket), "--steps", "5", "--anchor-interval", "2", "--keep-anchors", "1"
+    )
+    manifest = read_manifest(LocalStore(str(bucket)))
+    stored = {str(p.relative_to(bucket)) for p in bucket.rglob("*.safetensors")}
+    assert stored == manifest.referenced_paths()
+    assert [a.version for a in manifest.anchors] == [5]
