@@ -20,6 +20,7 @@ __all__ = [
     "Manifest",
     "PartRef",
     "fetch_entry",
+    "fetch_file",
     "file_path",
     "metrics_path",
     "read_manifest",
@@ -378,11 +379,12 @@ def fetch_entry(store: Store, entry: ChainEntry) -> FileData:
     """Download a manifest entry (every part of a sharded version, in order) and check each
     file's size and whole-file digest before parsing, then that its header promises the
     entry's full-state digest (a part: its share)."""
-    found = tuple(_fetch_file(store, file) for file in entry.files)
+    found = tuple(fetch_file(store, file) for file in entry.files)
     return found[0] if entry.parts is None else found
 
 
-def _fetch_file(store: Store, file: PartRef) -> bytes:
+def fetch_file(store: Store, file: PartRef) -> bytes:
+    """One stored file of a version (a whole file or one part), checked as `fetch_entry` does."""
     data = store.get(file.path)
     if len(data) != file.bytes or bytes_digest(data) != file.digest:
         raise FormatError(

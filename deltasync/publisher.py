@@ -28,10 +28,18 @@ from .manifest import (
 from .metrics import SyncRecord
 from .policy import AnchorPolicy
 from .replica import Replica
-from .shards import RowShard, ShardGroup, local_rows, part_info, to_global
+from .shards import (
+    RowShard,
+    ShardGroup,
+    block_sums,
+    local_rows,
+    part_info,
+    replay_rows,
+    to_global,
+)
 from .snapshot import Bf16Snapshot, NamedTensors
 from .state_digest import StateDigest, total
-from .state_hash import apply_changes, state_sums, tensor_sum
+from .state_hash import apply_changes, state_sums
 from .store import Store
 
 __all__ = ["Publisher", "PublisherConfig", "SyncRecord"]
@@ -203,30 +211,38 @@ class Publisher:
         return local
 
     def _start(self) -> None:
-        """Resume the run in the bucket when its manifest names our run id.
-
-        A sharded rank replays the whole model once, then keeps only its rows.
-        """
+        """Resume the run in the bucket when its manifest names our run id."""
         manifest = read_manifest(self.store)
         if manifest is not None and manifest.run_id == self.config.run_id:
-            replica = Replica()
-            replica.sync(self.store)
-            tensors, sums = dict(replica.tensors), dict(replica.state_sums)
-            if self._layout is not None:  # the whole model once, then only this rank's rows
-                shapes = {n: tuple(t.shape) for n, t in tensors.items()}
-                if shapes != {n: s.shape for n, s in self._layout.items()}:
-                    raise PublishError(
-                        f"run {manifest.run_id} in the bucket holds other parameters than this "
-                        "rank's model; resume it with the model it was published from"
-                    )
-                tensors = {n: tensors[n][s.start : s.stop].clone() for n, s in self._layout.items()}
-                sums = _block_sums(tensors, self._layout)
-            self._snapshot = Bf16Snapshot(tensors)
-            self._sums = sums
+            self._snapshot, self._sums = self._resume(manifest)
             self._manifest = manifest
             log.info("resuming run %s at version %d", manifest.run_id, manifest.latest_version)
         self._worker = threading.Thread(target=self._run, name="deltasync-publisher", daemon=True)
         self._worker.start()
+
+    def _resume(self, manifest: Manifest) -> tuple[Bf16Snapshot, dict[str, StateDigest]]:
+        """The committed state to diff against: a sharded rank replays its own parts when the
+        run was written by ranks of its layout, else the whole model once and keeps its rows."""
+        layout, shards = self._layout, self.shards
+        if layout is not None and shards is not None:
+            found = replay_rows(self.store, manifest, layout, shards.rank, shards.size)
+            if found is not None:
+                log.info("rank %d replayed its rows from its own parts", shards.rank)
+                return Bf16Snapshot(found[0]), found[1]
+            log.info("rank %d replays the whole model (the run has another layout)", shards.rank)
+        replica = Replica()
+        replica.sync(self.store)
+        tensors, sums = dict(replica.tensors), dict(replica.state_sums)
+        if layout is not None:
+            shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+            if shapes != {n: s.shape for n, s in layout.items()}:
+                raise PublishError(
+                    f"run {manifest.run_id} in the bucket holds other parameters than this "
+                    "rank's model; resume it with the model it was published from"
+                )
+            tensors = {n: tensors[n][s.start : s.stop].clone() for n, s in layout.items()}
+            sums = block_sums(tensors, layout)
+        return Bf16Snapshot(tensors), sums
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -429,7 +445,7 @@ class Publisher:
         t0 = time.perf_counter()
         diff = None if job.diff is None else to_global(job.diff, layout)
         if diff is None or self._sums is None:  # the first version: a full pass, once
-            sums = _block_sums(_state_after(snapshot, job.diff), layout)
+            sums = block_sums(_state_after(snapshot, job.diff), layout)
         else:
             sums = apply_changes(self._sums, diff.changes)
         digest = total(sums)
@@ -560,13 +576,6 @@ def _sharded_entry(
         digest.hex(),
         tuple(parts),  # type: ignore[arg-type]
     )
-
-
-def _block_sums(
-    tensors: dict[str, torch.Tensor], layout: dict[str, RowShard]
-) -> dict[str, StateDigest]:
-    """Each tensor's digest over this rank's rows only (at their global indices)."""
-    return {n: tensor_sum(n, t, start=layout[n].offset) for n, t in tensors.items()}
 
 
 def _state_after(snapshot: Bf16Snapshot, diff: Diff | None) -> dict[str, torch.Tensor]:

@@ -17,12 +17,16 @@ from typing import Any
 
 import torch
 
-from .changes import Diff, TensorChange
-from .codec import PartInfo
-from .errors import FormatError
+from .changes import Diff, TensorChange, scatter
+from .codec import ParsedFile, PartInfo, decode
+from .errors import DigestMismatch, FormatError
+from .manifest import Manifest, fetch_file
 from .snapshot import NamedTensors, named_tensors
+from .state_digest import StateDigest, total
+from .state_hash import apply_changes, tensor_sum
+from .store import Store
 
-__all__ = ["RowShard", "ShardGroup", "local_rows", "to_global"]
+__all__ = ["RowShard", "ShardGroup", "block_sums", "local_rows", "replay_rows", "to_global"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,64 @@ def to_global(diff: Diff, layout: Mapping[str, RowShard]) -> Diff:
 
 def part_info(rank: int, size: int, layout: Mapping[str, RowShard]) -> PartInfo:
     return PartInfo(rank, size, {n: (s.start, s.stop) for n, s in layout.items()})
+
+
+def block_sums(
+    blocks: Mapping[str, torch.Tensor], layout: Mapping[str, RowShard]
+) -> dict[str, StateDigest]:
+    """Each tensor's full-state digest over this rank's rows only (at their global indices)."""
+    return {n: tensor_sum(n, t, start=layout[n].offset) for n, t in blocks.items()}
+
+
+def replay_rows(
+    store: Store, manifest: Manifest, layout: Mapping[str, RowShard], rank: int, size: int
+) -> tuple[dict[str, torch.Tensor], dict[str, StateDigest]] | None:
+    """This rank's rows at the bucket's latest version, from its own part of each version only
+    (no other rank's bytes, no whole tensor in memory); each part is checked against its share
+    of the version's full-state digest.
+
+    Returns None when the chain was not written by ranks of this layout (another rank count or
+    other rows): the caller then replays the whole model.
+
+    Raises:
+        DigestMismatch: a part does not lead to the share of the digest it promises.
+    """
+    rows = {n: (s.start, s.stop) for n, s in layout.items()}
+    shapes = {n: s.shape for n, s in layout.items()}
+    offsets = {n: s.offset for n, s in layout.items()}
+    blocks: dict[str, torch.Tensor] = {}
+    sums: dict[str, StateDigest] = {}
+    for entry in manifest.plan(None, None):
+        if entry.parts is None or len(entry.parts) != size:
+            return None
+        ref = entry.parts[rank]
+        parsed = ParsedFile.parse(fetch_file(store, ref), path=ref.path)
+        meta = parsed.meta
+        if meta.part is None or meta.part.rows != rows or meta.version != entry.version:
+            return None
+        if {n: e.shape for n, e in meta.tensors.items()} != shapes:
+            return None
+        if meta.kind == "anchor":
+            blocks = dict(decode(parsed).tensors)
+            sums = block_sums(blocks, layout)
+        else:
+            changes = decode(parsed, base=blocks, offsets=offsets).changes
+            moved = {
+                n: TensorChange(c.indices + offsets[n], c.values, c.previous)
+                for n, c in changes.items()
+            }
+            sums = apply_changes(sums, moved)
+            for name, change in changes.items():
+                scatter(blocks[name], change.indices, change.values)
+        if total(sums) != meta.state_digest:
+            raise DigestMismatch(
+                "",
+                str(meta.state_digest),
+                str(total(sums)),
+                path=ref.path,
+                message=f"part {rank} of version {meta.version} does not lead to its digest",
+            )
+    return blocks, sums
 
 
 class ShardGroup:

@@ -32,8 +32,13 @@ def encode_changes(
     return out
 
 
-def decode_tensor(indices: torch.Tensor, values: torch.Tensor, base: torch.Tensor) -> TensorChange:
-    """Check a TRL-shaped pair against the base tensor (range, order, dtype) without mutating."""
+def decode_tensor(
+    indices: torch.Tensor, values: torch.Tensor, base: torch.Tensor, *, offset: int = 0
+) -> TensorChange:
+    """Check a TRL-shaped pair against the base tensor (range, order, dtype) without mutating.
+
+    With `offset`, `base` holds the tensor's elements from flat index `offset` on (a rank's
+    row block); indices are returned relative to it."""
     if indices.dtype != torch.int32 or values.dtype != torch.bfloat16:
         raise FormatError(
             f"coo needs int32 indices and bf16 values, found {indices.dtype} and {values.dtype}"
@@ -43,10 +48,10 @@ def decode_tensor(indices: torch.Tensor, values: torch.Tensor, base: torch.Tenso
             f"coo indices {tuple(indices.shape)} and values {tuple(values.shape)} "
             "must be 1-D of one length"
         )
-    idx = indices.to(torch.int64)
+    idx = indices.to(torch.int64) - offset
     if idx.numel():
         if int(idx[0]) < 0 or int(idx[-1]) >= base.numel():
-            raise FormatError(f"indices out of range 0..{base.numel() - 1}")
+            raise FormatError(f"indices out of range {offset}..{offset + base.numel() - 1}")
         if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
             raise FormatError("indices are not strictly ascending")
     return TensorChange(idx, values, gather(base, idx))

@@ -148,13 +148,16 @@ def decode(
     *,
     base: Mapping[str, torch.Tensor] | None = None,
     path: str | None = None,
+    offsets: Mapping[str, int] | None = None,
 ) -> DecodedFile:
     """Validate and decode a file; deltas need `base`, the reader's tensors at the base version.
 
     Pass a `ParsedFile` when the header was parsed already (a TRL v1 delta must be, and
     normalised against the reader: `ParsedFile.normalised`). The parts of a sharded version
-    (`ParsedParts`) decode into one file, as if it had been written whole. Raises `FormatError`
-    for anything malformed; never mutates `base`.
+    (`ParsedParts`) decode into one file, as if it had been written whole. With `offsets`, a
+    delta decodes against row blocks: `base[name]` holds the tensor from flat index
+    `offsets[name]` on, and the changes' indices are relative to it (a rank replaying its own
+    part). Raises `FormatError` for anything malformed; never mutates `base`.
     """
     if isinstance(file, ParsedParts):
         return _decode_parts(file, base)
@@ -174,7 +177,7 @@ def decode(
         names = _check_delta_keys(meta, header.tensors)
         tensors = _load(data, path)
         with ThreadPoolExecutor(WORKERS) as pool:  # zstd and the compiled decoders release the GIL
-            decoded = pool.map(lambda name: _decode_one(meta, name, tensors, base), names)
+            decoded = pool.map(lambda name: _decode_one(meta, name, tensors, base, offsets), names)
             changes = dict(zip(names, decoded, strict=True))
         return DecodedFile(meta, changes=changes)
     except FormatError as exc:
@@ -271,21 +274,30 @@ def _decode_one(
     name: str,
     tensors: dict[str, torch.Tensor],
     base: Mapping[str, torch.Tensor],
+    offsets: Mapping[str, int] | None = None,
 ) -> TensorChange:
     if name not in base:
         raise FormatError("unknown tensor name (not in the reader's model)", tensor=name)
     target = base[name]
     entry = meta.tensors[name]
-    if entry.shape != tuple(target.shape):
+    offset = 0 if offsets is None else offsets[name]
+    if offsets is None and entry.shape != tuple(target.shape):
         raise FormatError(
             f"shape {entry.shape} differs from the reader's {tuple(target.shape)}", tensor=name
         )
     try:
         if meta.encoding == "packed":
-            return packed.decode_tensor(
-                tensors[f"{name}.gaps"], tensors[f"{name}.vals"], entry.changed, target
+            change = packed.decode_tensor(
+                tensors[f"{name}.gaps"],
+                tensors[f"{name}.vals"],
+                entry.changed,
+                target,
+                offset=offset,
             )
-        change = coo.decode_tensor(tensors[f"{name}.indices"], tensors[f"{name}.values"], target)
+        else:
+            change = coo.decode_tensor(
+                tensors[f"{name}.indices"], tensors[f"{name}.values"], target, offset=offset
+            )
     except FormatError as exc:
         raise FormatError(str(exc), tensor=name) from None
     if change.indices.numel() != entry.changed:

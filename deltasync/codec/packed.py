@@ -64,12 +64,25 @@ def _decompress(blob: torch.Tensor, max_bytes: int, what: str) -> np.ndarray:
 
 
 def decode_tensor(
-    gaps_blob: torch.Tensor, vals_blob: torch.Tensor, count: int, base: torch.Tensor
+    gaps_blob: torch.Tensor,
+    vals_blob: torch.Tensor,
+    count: int,
+    base: torch.Tensor,
+    *,
+    offset: int = 0,
 ) -> TensorChange:
-    """Decode one tensor's changes against its base values (validated, nothing mutated)."""
+    """Decode one tensor's changes against its base values (validated, nothing mutated).
+
+    With `offset`, `base` holds the tensor's elements from flat index `offset` on (a rank's
+    row block); the changes must lie in it, and their indices are returned relative to it.
+    """
     indices = indices_from_gaps(
-        _decompress(gaps_blob, count * _GAP_BYTES_MAX, "gaps"), count, base.numel()
+        _decompress(gaps_blob, count * _GAP_BYTES_MAX, "gaps"), count, offset + base.numel()
     )
+    if offset:
+        if indices.size and indices[0] < offset:
+            raise FormatError(f"indices before the block starting at {offset}")
+        indices = indices - offset
     previous, values = values_from_steps(
         _decompress(vals_blob, count * _VAL_BYTES_MAX, "vals"),
         base.detach().reshape(-1).view(torch.int16).numpy(),

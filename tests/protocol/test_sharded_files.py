@@ -222,3 +222,61 @@ def test_empty_trailing_parts_tile_where_the_rows_end():
         check_tiling({"w": (5, 3)}, [{"w": (0, 2)}, {"w": (2, 4)}, {"w": (4, 5)}, {"w": (0, 0)}])
     with pytest.raises(FormatError, match="do not tile"):  # two ranks writing all rows (DDP)
         check_tiling({"w": (5, 3)}, [{"w": (0, 5)}, {"w": (0, 5)}])
+
+
+def _layout(rank):
+    from deltasync.shards import RowShard
+
+    return {n: RowShard(SHAPES[n], *rows_of(rank)[n]) for n in SHAPES}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_replays_its_rows_from_its_own_parts(tmp_path, rank):
+    from deltasync.shards import block_sums, replay_rows
+
+    states = write_sharded_bucket(tmp_path, versions=4)
+    store = LocalStore(str(tmp_path))
+    blocks, sums = replay_rows(store, read_manifest(store), _layout(rank), rank, 2)
+    for name, (start, stop) in rows_of(rank).items():
+        assert torch.equal(
+            blocks[name].view(torch.int16), states[-1][name][start:stop].view(torch.int16)
+        )
+    assert sums == block_sums(blocks, _layout(rank))
+
+
+def test_replaying_rows_of_another_layout_falls_back(tmp_path):
+    from deltasync.shards import RowShard, replay_rows
+
+    write_sharded_bucket(tmp_path, versions=2)
+    store = LocalStore(str(tmp_path))
+    other = {n: RowShard(SHAPES[n], 0, SHAPES[n][0]) for n in SHAPES}
+    assert replay_rows(store, read_manifest(store), other, 0, 2) is None
+    assert replay_rows(store, read_manifest(store), _layout(0), 0, 4) is None
+
+
+def test_replaying_rows_refuses_a_part_that_misses_its_digest(tmp_path):
+    """A part rewritten with other values (and the manifest made to match its bytes) does not
+    lead to the share of the digest it promises."""
+    import safetensors.torch
+
+    from deltasync.digest import bytes_digest
+    from deltasync.manifest import MANIFEST_PATH, file_path
+    from deltasync.shards import replay_rows
+
+    write_sharded_bucket(tmp_path, versions=2)
+    store = LocalStore(str(tmp_path))
+    manifest = read_manifest(store)
+    ref = manifest.anchors[0].parts[1]
+    data = (tmp_path / ref.path).read_bytes()
+    tensors = safetensors.torch.load(data)
+    tensors["norm.weight"] = tensors["norm.weight"] + 1
+    forged = safetensors.torch.save(tensors, metadata=ParsedFile.parse(data).header.metadata)
+    digest = bytes_digest(forged)
+    path = file_path("r", "anchor", 1, digest, (1, 2))
+    (tmp_path / path).write_bytes(forged)
+    raw = json.loads(manifest.to_json())
+    raw["anchors"][0]["parts"][1] |= {"path": path, "bytes": len(forged), "digest": digest}
+    (tmp_path / MANIFEST_PATH).write_text(json.dumps(raw))
+    forged_manifest = read_manifest(store)  # consistent: only the part's values lie
+    with pytest.raises(DigestMismatch, match="does not lead to its digest"):
+        replay_rows(store, forged_manifest, _layout(1), 1, 2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import resource
 import sys
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--report", help="JSON file: per-rank memory and timings")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
