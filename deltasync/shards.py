@@ -5,6 +5,8 @@ parameter (`DTensor.to_local()`); a row block of a row-major tensor is a contigu
 indices, so a rank diffs its block alone and writes its changes at global flat indices, with no
 all-gather. The ranks of one version meet only to agree that every part is durable
 (`ShardGroup`, a gloo group of the publisher threads' own), and rank 0 commits the manifest.
+A rank that resumes a run of its own layout replays only its own part of each version
+(`replay_rows`).
 """
 
 from __future__ import annotations
