@@ -13,6 +13,9 @@ next to the allowance of the rank's shard plus its largest full parameter in bf1
 Usage:
   .venv/bin/python -m bench.sharded --shape qwen3-0.6b --ranks 1 2 --steps 3 \
       --density 0.02 --json bench/results/sharded-qwen3-0.6b.json
+  # one core per rank (rank r on core r), as ranks on hosts of their own:
+  .venv/bin/python -m bench.sharded --shape qwen3-0.6b --ranks 1 2 --steps 3 --pin \
+      --density 0.02 --json bench/results/sharded-qwen3-0.6b-pinned.json
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
+    if args.pin:  # one core per rank, as ranks on their own hosts would have
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     with torch.device("meta"):
         model = Qwen3ForCausalLM(build_config(SHAPES[args.shape]))
     if size > 1:
@@ -112,7 +117,7 @@ def _worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _run(shape: str, ranks: int, steps: int, density: float) -> list[dict]:
+def _run(shape: str, ranks: int, steps: int, density: float, pin: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         command = [
             sys.executable,
@@ -134,8 +139,10 @@ def _run(shape: str, ranks: int, steps: int, density: float) -> list[dict]:
             f"{tmp}/bucket",
             "--out",
             f"{tmp}/figures",
+            *(["--pin"] if pin else []),
         ]
-        env = os.environ | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // ranks))}
+        threads = 1 if pin else max(1, (os.cpu_count() or 2) // ranks)
+        env = os.environ | {"OMP_NUM_THREADS": str(threads)}
         subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
         return [json.loads(Path(f"{tmp}/figures.rank{r}.json").read_text()) for r in range(ranks)]
 
@@ -146,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--density", type=float, default=0.02)
+    ap.add_argument(
+        "--pin", action="store_true", help="pin each rank to one core of its own (rank r: core r)"
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bucket", help=argparse.SUPPRESS)
@@ -161,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     results = {}
     for ranks in args.ranks:
-        figures = _run(args.shape, ranks, args.steps, args.density)
+        figures = _run(args.shape, ranks, args.steps, args.density, args.pin)
         results[str(ranks)] = figures
         for fig in figures:
             steps = fig["steps"]
@@ -174,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {(fig['shard_bytes'] + max(s['peak_extra_bytes'] for s in steps)) / 1e6:.0f} "
                 f"| {(fig['shard_bytes'] + fig['largest_param']) / 1e6:.0f} |"
             )
+    placement = "each rank pinned to a core of its own" if args.pin else "ranks share the cores"
     footer = (
         f"\n{args.shape}, {args.steps} synthetic steps per rank count, medians; "
-        f"{os.cpu_count()} cpus, OMP threads split between ranks"
+        f"{os.cpu_count()} cpus, {placement}"
     )
     report("\n".join(lines) + footer, {"shape": args.shape, "results": results}, args.json)
     return 0

@@ -64,3 +64,22 @@ def test_gpu_digest_check_runs_on_cpu_tensors(tmp_path):
     assert gpu_digest_main(["--device", "cpu", "--model", "qwen3-tiny", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["checks"] == "ok" and 0.015 < result["density"] < 0.025
+
+
+def test_sharded_bench_reports_every_rank(tmp_path, capsys):
+    """`python -m bench.sharded` runs torchrun for 1 and 2 ranks and reports each rank."""
+    from bench.sharded import main as sharded
+
+    out = tmp_path / "sharded.json"
+    assert (
+        sharded(["--shape", "qwen3-tiny", "--ranks", "1", "2", "--steps", "1", "--json", str(out)])
+        == 0
+    )
+    assert "| ranks | rank | shard bf16 MB" in capsys.readouterr().out
+    results = json.loads(out.read_text())["results"]
+    assert [f["rank"] for f in results["2"]] == [0, 1] and len(results["1"]) == 1
+    whole = results["1"][0]["shard_bytes"]
+    assert sum(f["shard_bytes"] for f in results["2"]) == whole  # the ranks split the model
+    for figures in results["2"]:
+        (step,) = figures["steps"]
+        assert step["bytes"] > 0 and 0 < step["changed"] < step["elements"]
