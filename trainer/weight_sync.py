@@ -26,7 +26,7 @@ import torch
 from deltasync import Publisher
 from deltasync.digest import tensor_digest
 from deltasync.errors import DeltaSyncError
-from deltasync.manifest import metrics_path
+from deltasync.manifest import metrics_path, read_manifest
 from deltasync.metrics import ReplicaOutcome, SyncRecord
 from deltasync.snapshot import bf16_view
 from deltasync.vllm_ext.client import ReplicaClient
@@ -56,7 +56,8 @@ class BucketWeightTransfer:
         attempts: tries per replica and version before it is reported as lagging; a lagging
             replica is caught up from the bucket at the next version.
         verify_digests: after each sync also compare every served tensor's digest (replica RPC)
-            with the trainer's bf16 view (a full hash pass on both sides; for tests and audits).
+            with the trainer's bf16 view (a full hash pass on both sides; for tests and audits);
+            for a tensor-parallel replica, the full-state digest its workers combined.
         rewards: TRL's logged reward per step (`trainer.rewards.RewardCallback` fills it); each
             version is tagged with the step current at `send_weights` and gets that step's
             reward. None: records carry no step and no reward.
@@ -201,7 +202,7 @@ class BucketWeightTransfer:
                 if served != version:
                     raise DeltaSyncError(f"replica reports version {served}, expected {version}")
                 if expected is not None:
-                    _check_digests(client.digests()["digests"], expected)
+                    self._check_served(client, version, expected)
             except (DeltaSyncError, ValueError, OSError) as exc:
                 error = str(exc)
                 log.warning(
@@ -232,6 +233,23 @@ class BucketWeightTransfer:
         return ReplicaOutcome(
             name, False, self.attempts, total_s=time.perf_counter() - started, error=error
         )
+
+    def _check_served(self, client: ReplicaClient, version: int, expected: dict[str, str]) -> None:
+        """Whole-tensor digests; a tensor-parallel replica's workers hold slices, so for it the
+        full-state digest they combined (and checked at the apply) must be the version's."""
+        report = client.digests()
+        if report.get("workers") is None:
+            _check_digests(report["digests"], expected)
+            return
+        manifest = read_manifest(self.publisher.store)
+        entries = [] if manifest is None else [*manifest.anchors, *manifest.deltas]
+        promised = {e.state_digest for e in entries if e.version == version}
+        served = client.status()["state_digest"]
+        if served not in promised or None in promised:
+            raise DeltaSyncError(
+                f"replica's combined full-state digest {served} is not version {version}'s "
+                f"{sorted(map(str, promised))}"
+            )
 
     def _write_metrics(self, record: SyncRecord) -> None:
         """The version's one metrics record, written once its replicas are done."""

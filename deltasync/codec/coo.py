@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..changes import TensorChange, gather
 from ..errors import FormatError
+from ..slices import Box
 
 __all__ = ["decode_tensor", "encode_changes"]
 
@@ -33,12 +35,18 @@ def encode_changes(
 
 
 def decode_tensor(
-    indices: torch.Tensor, values: torch.Tensor, base: torch.Tensor, *, offset: int = 0
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    base: torch.Tensor,
+    *,
+    offset: int = 0,
+    box: Box | None = None,
 ) -> TensorChange:
     """Check a TRL-shaped pair against the base tensor (range, order, dtype) without mutating.
 
     With `offset`, `base` holds the tensor's elements from flat index `offset` on (a rank's
-    row block); indices are returned relative to it."""
+    row block); indices are returned relative to it. With `box`, `base` holds that box of the
+    tensor and only the changes inside it are returned, at the box's flat indices."""
     if indices.dtype != torch.int32 or values.dtype != torch.bfloat16:
         raise FormatError(
             f"coo needs int32 indices and bf16 values, found {indices.dtype} and {values.dtype}"
@@ -48,10 +56,15 @@ def decode_tensor(
             f"coo indices {tuple(indices.shape)} and values {tuple(values.shape)} "
             "must be 1-D of one length"
         )
+    numel = box.shape_numel if box is not None else base.numel()
     idx = indices.to(torch.int64) - offset
     if idx.numel():
-        if int(idx[0]) < 0 or int(idx[-1]) >= base.numel():
-            raise FormatError(f"indices out of range {offset}..{offset + base.numel() - 1}")
+        if int(idx[0]) < 0 or int(idx[-1]) >= numel:
+            raise FormatError(f"indices out of range {offset}..{offset + numel - 1}")
         if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
             raise FormatError("indices are not strictly ascending")
+    if box is not None:
+        local, kept = box.localize(idx.numpy())
+        idx = torch.from_numpy(np.ascontiguousarray(local))
+        values = values[kept if isinstance(kept, slice) else torch.from_numpy(kept)]
     return TensorChange(idx, values, gather(base, idx))

@@ -16,6 +16,7 @@ import torch
 from ..changes import WORKERS, Diff, TensorChange
 from ..digest import tensor_digest
 from ..errors import FormatError
+from ..slices import Boxes
 from ..state_digest import StateDigest, total
 from ..state_hash import state_sums
 from . import coo, packed
@@ -149,6 +150,7 @@ def decode(
     base: Mapping[str, torch.Tensor] | None = None,
     path: str | None = None,
     offsets: Mapping[str, int] | None = None,
+    boxes: Boxes | None = None,
 ) -> DecodedFile:
     """Validate and decode a file; deltas need `base`, the reader's tensors at the base version.
 
@@ -157,15 +159,20 @@ def decode(
     (`ParsedParts`) decode into one file, as if it had been written whole. With `offsets`, a
     delta decodes against row blocks: `base[name]` holds the tensor from flat index
     `offsets[name]` on, and the changes' indices are relative to it (a rank replaying its own
-    part). Raises `FormatError` for anything malformed; never mutates `base`.
+    part). With `boxes`, the reader holds one box of each tensor (a tensor-parallel worker):
+    an anchor yields only the boxes (reading only their bytes), a delta only the changes inside
+    them, at the boxes' flat indices, against `base` holding the boxes. Raises `FormatError`
+    for anything malformed; never mutates `base`.
     """
     if isinstance(file, ParsedParts):
-        return _decode_parts(file, base)
+        return _decode_parts(file, base, boxes)
     parsed = file if isinstance(file, ParsedFile) else ParsedFile.parse(file, path=path)
     data, header, meta, path = parsed.data, parsed.header, parsed.meta, parsed.path
     try:
         if meta.kind == "anchor":
             _check_anchor_keys(meta, header.tensors)
+            if boxes is not None:
+                return DecodedFile(meta, tensors=_load_boxes(parsed, boxes))
             return DecodedFile(meta, tensors=_load(data, path))
         if base is None:
             raise FormatError("decoding a delta needs the base tensors", path=path)
@@ -177,7 +184,9 @@ def decode(
         names = _check_delta_keys(meta, header.tensors)
         tensors = _load(data, path)
         with ThreadPoolExecutor(WORKERS) as pool:  # zstd and the compiled decoders release the GIL
-            decoded = pool.map(lambda name: _decode_one(meta, name, tensors, base, offsets), names)
+            decoded = pool.map(
+                lambda name: _decode_one(meta, name, tensors, base, offsets, boxes), names
+            )
             changes = dict(zip(names, decoded, strict=True))
         return DecodedFile(meta, changes=changes)
     except FormatError as exc:
@@ -186,12 +195,21 @@ def decode(
         raise
 
 
-def _decode_parts(parts: ParsedParts, base: Mapping[str, torch.Tensor] | None) -> DecodedFile:
+def _decode_parts(
+    parts: ParsedParts, base: Mapping[str, torch.Tensor] | None, boxes: Boxes | None
+) -> DecodedFile:
     """Each part decoded on its own (delta indices are global, so against the full base), its
     changes checked to lie in its rows, then joined in part order: rows concatenated for an
-    anchor, index lists for a delta (the parts' rows ascend, so the indices stay ascending)."""
-    decoded = [decode(p, base=base) for p in parts.parts]
+    anchor, index lists for a delta (the parts' rows ascend, so the indices stay ascending;
+    so do a box's own indices, which keep row-major order)."""
     meta = parts.meta
+    if meta.kind == "anchor" and boxes is not None:  # each part yields its rows of each box
+        decoded = []
+        for p in parts.parts:
+            rows = p.meta.part.rows if p.meta.part is not None else {}
+            decoded.append(decode(p, boxes={n: b.clip(*rows[n]) for n, b in boxes.items()}))
+    else:
+        decoded = [decode(p, base=base, boxes=boxes) for p in parts.parts]
     if meta.kind == "anchor":
         tensors = {n: torch.cat([d.tensors[n] for d in decoded]) for n in meta.tensors}
         return DecodedFile(meta, tensors=tensors)
@@ -201,7 +219,11 @@ def _decode_parts(parts: ParsedParts, base: Mapping[str, torch.Tensor] | None) -
         assert info is not None
         for name, change in found.changes.items():
             lo, hi = info.flat_range(name, meta.tensors[name].shape)
-            if not (lo <= int(change.indices[0]) and int(change.indices[-1]) < hi):
+            if not change.indices.numel():
+                continue
+            ends = change.indices[[0, -1]]
+            first, last = (boxes[name].globalize(ends) if boxes is not None else ends).tolist()
+            if not (lo <= first and last < hi):
                 raise FormatError(
                     f"part {info.index} changes elements outside its rows ({lo}:{hi})",
                     path=part.path,
@@ -225,6 +247,36 @@ def _load(data: bytes, path: str | None) -> dict[str, torch.Tensor]:
         return safetensors.torch.load(data)
     except Exception as exc:  # safetensors raises its own SafetensorError (not exported)
         raise FormatError(f"unreadable safetensors data: {exc}", path=path) from None
+
+
+def _load_boxes(parsed: ParsedFile, boxes: Boxes) -> dict[str, torch.Tensor]:
+    """Each tensor's box, read from its bytes in the file (whole rows when the box is a range
+    of rows; the tensor's rows, then its columns, otherwise)."""
+    data, header = memoryview(parsed.data), parsed.header
+    out = {}
+    for name, info in header.tensors.items():
+        box = boxes.get(name)
+        if box is None:
+            raise FormatError("unknown tensor name (not in the reader's model)", tensor=name)
+        if box.shape != info.shape:
+            raise FormatError(
+                f"shape {info.shape} differs from the reader's {box.shape}", tensor=name
+            )
+        row_bytes = 2 * box.row_numel
+        r0, r1 = box.rows if box.cols is None else (0, info.shape[0] if info.shape else 1)
+        start = header.data_offset + info.start + r0 * row_bytes
+        raw = bytearray(data[start : start + (r1 - r0) * row_bytes])  # owned: the data may go
+        rows = (r1 - r0, *info.shape[1:]) if info.shape else ()
+        tensor = (
+            torch.frombuffer(raw, dtype=torch.bfloat16)
+            if raw
+            else torch.empty(0, dtype=torch.bfloat16)
+        )
+        tensor = tensor.reshape(rows)
+        out[name] = (
+            tensor if box.cols is None else tensor[:, box.cols[0] : box.cols[1]].contiguous()
+        )
+    return out
 
 
 def _check_anchor_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> None:
@@ -275,13 +327,22 @@ def _decode_one(
     tensors: dict[str, torch.Tensor],
     base: Mapping[str, torch.Tensor],
     offsets: Mapping[str, int] | None = None,
+    boxes: Boxes | None = None,
 ) -> TensorChange:
     if name not in base:
         raise FormatError("unknown tensor name (not in the reader's model)", tensor=name)
     target = base[name]
     entry = meta.tensors[name]
     offset = 0 if offsets is None else offsets[name]
-    if offsets is None and entry.shape != tuple(target.shape):
+    box = None if boxes is None else boxes[name]
+    if box is not None:
+        if entry.shape != box.shape or tuple(target.shape) != box.local_shape:
+            raise FormatError(
+                f"shape {entry.shape} differs from the reader's {box.shape} (box "
+                f"{box.local_shape}, held {tuple(target.shape)})",
+                tensor=name,
+            )
+    elif offsets is None and entry.shape != tuple(target.shape):
         raise FormatError(
             f"shape {entry.shape} differs from the reader's {tuple(target.shape)}", tensor=name
         )
@@ -293,14 +354,18 @@ def _decode_one(
                 entry.changed,
                 target,
                 offset=offset,
+                box=box,
             )
         else:
+            indices = tensors[f"{name}.indices"]
+            if indices.numel() != entry.changed:
+                raise FormatError(f"{indices.numel()} changes, metadata says {entry.changed}")
             change = coo.decode_tensor(
-                tensors[f"{name}.indices"], tensors[f"{name}.values"], target, offset=offset
+                indices, tensors[f"{name}.values"], target, offset=offset, box=box
             )
     except FormatError as exc:
         raise FormatError(str(exc), tensor=name) from None
-    if change.indices.numel() != entry.changed:
+    if box is None and change.indices.numel() != entry.changed:
         raise FormatError(
             f"{change.indices.numel()} changes, metadata says {entry.changed}", tensor=name
         )

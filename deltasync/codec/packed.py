@@ -17,6 +17,7 @@ import zstandard
 
 from ..changes import WORKERS, TensorChange
 from ..errors import FormatError
+from ..slices import Box
 from .varint import gap_varints, indices_from_gaps, step_varints, values_from_steps
 
 __all__ = ["decode_tensor", "encode_changes"]
@@ -70,26 +71,35 @@ def decode_tensor(
     base: torch.Tensor,
     *,
     offset: int = 0,
+    box: Box | None = None,
 ) -> TensorChange:
     """Decode one tensor's changes against its base values (validated, nothing mutated).
 
     With `offset`, `base` holds the tensor's elements from flat index `offset` on (a rank's
     row block); the changes must lie in it, and their indices are returned relative to it.
+    With `box`, `base` holds that box of the tensor: every change is read and checked, and those
+    inside the box are returned at the box's flat indices.
     """
+    numel = box.shape_numel if box is not None else offset + base.numel()
     indices = indices_from_gaps(
-        _decompress(gaps_blob, count * _GAP_BYTES_MAX, "gaps"), count, offset + base.numel()
+        _decompress(gaps_blob, count * _GAP_BYTES_MAX, "gaps"), count, numel
     )
-    if offset:
+    kept = None
+    if box is not None:
+        indices, kept = box.localize(indices)
+    elif offset:
         if indices.size and indices[0] < offset:
             raise FormatError(f"indices before the block starting at {offset}")
         indices = indices - offset
     previous, values = values_from_steps(
         _decompress(vals_blob, count * _VAL_BYTES_MAX, "vals"),
         base.detach().reshape(-1).view(torch.int16).numpy(),
-        indices,
+        np.ascontiguousarray(indices),
+        count=count,
+        kept=kept,
     )
     return TensorChange(
-        torch.from_numpy(indices),
+        torch.from_numpy(np.ascontiguousarray(indices)),
         torch.from_numpy(values).view(torch.bfloat16),
         torch.from_numpy(previous).view(torch.bfloat16),
     )

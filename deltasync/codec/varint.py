@@ -152,10 +152,21 @@ def indices_from_gaps(data: np.ndarray, count: int, numel: int) -> np.ndarray:
 
 
 def values_from_steps(
-    data: np.ndarray, base: np.ndarray, indices: np.ndarray
+    data: np.ndarray,
+    base: np.ndarray,
+    indices: np.ndarray,
+    *,
+    count: int | None = None,
+    kept: np.ndarray | slice | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(previous, new) int16 bits at `indices` of the flat base, from `step_varints` bytes."""
-    codes = _varints(data, indices.size, 1 << 16)
+    """(previous, new) int16 bits at `indices` of the flat base, from `step_varints` bytes.
+
+    With `kept` (a slice or mask over the stream's `count` values), only those values are
+    rebuilt, at `indices` (one per kept value): a worker holding a slice of the tensor.
+    """
+    codes = _varints(data, indices.size if count is None else count, 1 << 16)
+    if kept is not None:
+        codes = np.ascontiguousarray(codes[kept])
     previous = np.empty(indices.size, np.int16)
     values = np.empty(indices.size, np.int16)
     _apply_steps(codes, base, indices, previous, values)

@@ -127,8 +127,25 @@ class ReplicaClient:
         return first | {"staging": staging}
 
     def digests(self) -> dict[str, Any]:
-        """`{"run_id", "version", "source", "digests": {hf_name: xxh3-128}}` of served weights."""
-        return self.rpc("deltasync_digests")
+        """`{"run_id", "version", "source", "digests": {hf_name: xxh3-128}}` of served weights.
+
+        Tensor-parallel workers holding slices each report their own: `digests` is then None
+        and `workers` lists each worker's `{"digests", "boxes"}` (digests of the slices).
+        """
+        results = self.rpc_all("deltasync_digests")
+        if not all(isinstance(r, dict) for r in results):
+            raise ReplicaError("workers sent no digests", url=self.base_url, body=str(results))
+        first = results[0]
+        if all(r.get("boxes") is None for r in results):
+            if any(r != first for r in results[1:]):
+                raise ReplicaError("workers disagree on their digests", url=self.base_url)
+            return first
+        if any((r["run_id"], r["version"]) != (first["run_id"], first["version"]) for r in results):
+            raise ReplicaError(
+                "workers hold different versions", url=self.base_url, body=str(results)
+            )
+        workers = [{"digests": r["digests"], "boxes": r["boxes"]} for r in results]
+        return first | {"digests": None, "boxes": None, "workers": workers}
 
     # -- weight sync ---------------------------------------------------------------------------
 

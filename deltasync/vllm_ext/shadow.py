@@ -9,6 +9,11 @@ swaps the new tensors into the shadow and the prepared modules into the model. W
 reload instead (all members of a fused group: a partial group would leave the rest
 uninitialised), and repacks the tied LM head when the embedding changed. Shadow tensors are
 never written in place, so a failure anywhere leaves the previous version serving.
+
+Under tensor parallelism (a `slicer`) the shadow holds only this worker's box of each tensor
+(`deltasync.slices`); a reload hands vLLM's loaders whole-shaped tensors with the box filled in
+(the rest is never read: each loader narrows to this worker's slice, and pages never written
+take no memory), and modules are always reloaded (no swapper).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..replica import StagedFile, next_state
+from ..replica import Shapes, StagedFile, next_state
+from ..slices import Box, Boxes, box_sums
 from ..state_digest import StateDigest
 from ..state_hash import state_sums
 from .layout import module_groups
@@ -51,6 +57,8 @@ class ShadowSink:
         packed: the model's `packed_modules_mapping` (fused modules and their members).
         swapper: prepares modules off the pause; used once `self_check` passed after the
             first full load (else every update reloads), and while `prepack` is true.
+        slicer: the boxes this worker holds for a model of given shapes (tensor parallel);
+            default: whole tensors.
     """
 
     keeps_tensors = True
@@ -61,8 +69,13 @@ class ShadowSink:
         packed: dict[str, list[str]],
         *,
         swapper: CpuGemmSwapper | None = None,
+        slicer: Callable[[Shapes], Boxes] | None = None,
     ):
+        if slicer is not None and swapper is not None:
+            raise ValueError("a sliced shadow reloads its modules; it takes no swapper")
         self.shadow: dict[str, torch.Tensor] = {}
+        self.slicer = slicer
+        self.held_boxes: Boxes | None = None
         self.reload = reload
         self.packed = packed
         self.swapper = swapper
@@ -71,13 +84,21 @@ class ShadowSink:
         self.last_swapped = False
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
+        if self.held_boxes is not None:
+            return {n: b.shape for n, b in self.held_boxes.items() if n in self.shadow}
         return {n: tuple(t.shape) for n, t in self.shadow.items()}
+
+    def boxes(self, shapes: Shapes) -> Boxes | None:
+        return None if self.slicer is None else self.slicer(shapes)
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return self.shadow
 
     def state_sums(self) -> dict[str, StateDigest]:
-        """Digests of the shadow (the packed modules are derived from it and not re-read)."""
+        """Digests of the shadow (the packed modules are derived from it and not re-read); of
+        the owned boxes only, when sliced."""
+        if self.held_boxes is not None:
+            return box_sums(self.shadow, self.held_boxes)
         return state_sums(self.shadow)
 
     def prepare(self, files: Sequence[StagedFile]) -> _NextShadow:
@@ -92,8 +113,11 @@ class ShadowSink:
 
     def commit(self, files: Sequence[StagedFile], prepared: _NextShadow) -> None:
         """Swap the prepared modules in, or reload the touched ones; all or nothing."""
-        before = self.shadow
+        before, boxes_before = self.shadow, self.held_boxes
         self.shadow = prepared.tensors
+        anchors = [f.meta for f in files if f.meta.kind == "anchor"]
+        if anchors and self.slicer is not None:
+            self.held_boxes = self.slicer({n: e.shape for n, e in anchors[-1].tensors.items()})
         self.last_swapped = prepared.modules is not None
         if prepared.modules is not None:
             try:
@@ -106,7 +130,7 @@ class ShadowSink:
         try:
             self._reload(prepared.touched)
         except BaseException:
-            self.shadow = before
+            self.shadow, self.held_boxes = before, boxes_before
             log.error("reload failed; restoring the previous weights into the model")
             self._reload(prepared.touched)
             raise
@@ -129,8 +153,23 @@ class ShadowSink:
     def _reload(self, names: frozenset[str] | set[str]) -> None:
         groups = module_groups(sorted(self.shadow), self.packed)
         modules = sorted({m for m, members in groups.items() if names & set(members)})
-        weights = [(n, self.shadow[n]) for m in modules for n in groups[m]]
+        weights = [(n, self._whole(n)) for m in modules for n in groups[m]]
         self.reload(weights, modules)
+
+    def _whole(self, name: str) -> torch.Tensor:
+        """The tensor as vLLM's loaders take it: whole-shaped, this worker's box filled in."""
+        tensor = self.shadow[name]
+        box = None if self.held_boxes is None else self.held_boxes[name]
+        if box is None or box.is_whole:
+            return tensor
+        return _placed(tensor, box)
+
+
+def _placed(local: torch.Tensor, box: Box) -> torch.Tensor:
+    whole = torch.empty(box.shape, dtype=local.dtype)
+    rows = whole[box.rows[0] : box.rows[1]]
+    (rows if box.cols is None else rows[:, box.cols[0] : box.cols[1]]).copy_(local)
+    return whole
 
 
 @contextmanager

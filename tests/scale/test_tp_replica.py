@@ -19,6 +19,7 @@ import torch
 
 from deltasync.digest import tensor_digest
 from deltasync.manifest import read_manifest
+from deltasync.slices import Box, check_cover
 from deltasync.store import LocalStore
 from deltasync.vllm_ext.client import ReplicaClient
 
@@ -101,12 +102,27 @@ def test_tp2_replica_holds_every_version_bitwise(tp_replica, sharded_run, sharde
         tp_replica.sync_to(version)
         assert tp_replica.weight_version() == str(version)
         state = safetensors.torch.load_file(str(sharded_run / "exp" / f"{version:08d}.safetensors"))
-        report = tp_replica.digests()  # every worker's, checked to agree
-        assert report["version"] == version
-        expected = {n: tensor_digest(t) for n, t in state.items()}
-        assert report["digests"] == expected, version
+        report = tp_replica.digests()  # each worker's digests of its own slices
+        assert report["version"] == version and report["digests"] is None
+        workers = [
+            {
+                n: Box(tuple(state[n].shape), (r0, r1), None if c0 is None else (c0, c1), bool(o))
+                for n, (r0, r1, c0, c1, o) in w["boxes"].items()
+            }
+            for w in report["workers"]
+        ]
+        check_cover(workers, {n: tuple(t.shape) for n, t in state.items()})
+        for boxes, worker in zip(workers, report["workers"], strict=True):
+            expected = {n: tensor_digest(boxes[n].take(t)) for n, t in state.items()}
+            assert worker["digests"] == expected, version
     status = tp_replica.status()
     assert status["state_digest"] == manifest.deltas[-1].state_digest
+    vocab = state["model.embed_tokens.weight"].shape[0]
+    rows = [w["model.embed_tokens.weight"].rows for w in workers]
+    half = -(-vocab // 64) * 64 // 2  # vLLM pads the vocabulary to 64 rows, then splits it
+    assert rows == [(0, half), (half, vocab)]
+    down = [w["model.layers.0.mlp.down_proj.weight"].cols for w in workers]
+    assert down[0][0] == 0 and down[0][1] == down[1][0]  # row-parallel: columns
 
     reference = _reference(state, sharded_model_dir)
     tokens, logprobs = tp_replica.complete_tokens(str(sharded_model_dir), PROMPT, 8)
