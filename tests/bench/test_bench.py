@@ -83,3 +83,18 @@ def test_sharded_bench_reports_every_rank(tmp_path, capsys):
     for figures in results["2"]:
         (step,) = figures["steps"]
         assert step["bytes"] > 0 and 0 < step["changed"] < step["elements"]
+
+
+def test_tp_slices_bench_splits_what_each_worker_holds(tmp_path, capsys):
+    """`python -m bench.tp_slices` replays a run as TP 1 and TP 2 workers: the two workers
+    together hold one model and each reads less of an anchor than a whole replica."""
+    from bench.tp_slices import main as tp_slices
+
+    out = tmp_path / "tp.json"
+    tp_slices(["--shape", "qwen3-tiny", "--deltas", "2", "--json", str(out)])
+    assert "| TP | worker | anchor read MB" in capsys.readouterr().out
+    results = json.loads(out.read_text())
+    (whole,), pair = results["tp1"], results["tp2"]
+    assert sum(w["held_mb"] for w in pair) < whole["held_mb"] * 1.05  # norms held by both
+    assert all(w["held_mb"] < 0.6 * whole["held_mb"] for w in pair)
+    assert min(w["anchor_read_mb"] for w in pair) < 0.8 * whole["anchor_read_mb"]

@@ -11,6 +11,7 @@ import torch
 from model_steps import AdamWLoop, tiny_qwen3
 from sharded_bucket import SHAPES, write_sharded_bucket
 
+from bench.tp_slices import CountingStore
 from deltasync.errors import DigestMismatch, FormatError
 from deltasync.manifest import fetch_entry, read_manifest
 from deltasync.policy import AnchorPolicy
@@ -161,24 +162,6 @@ def test_a_protocol_1_file_is_refused_by_a_sliced_replica():
     entry = min(read_manifest(store).anchors, key=lambda a: a.version)
     with pytest.raises(FormatError, match="tensor parallel size 1"):
         workers()[0].prepare([(fetch_entry(store, entry), entry.path)])
-
-
-class CountingStore(LocalStore):
-    """Counts the bytes read, by whole-object and by ranged reads."""
-
-    def __init__(self, root):
-        super().__init__(root)
-        self.read = 0
-
-    def get(self, path):
-        data = super().get(path)
-        self.read += len(data)
-        return data
-
-    def get_range(self, path, start, end):
-        data = super().get_range(path, start, end)
-        self.read += len(data)
-        return data
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["whole", "parts"])

