@@ -62,7 +62,10 @@ def _fetch_file(store: Store, file: PartRef, slicer: Slicer) -> mmap.mmap:
         start = header.data_offset + info.start + r0 * row_bytes
         ranges.append((start, min(start + (r1 - r0) * row_bytes, header.data_offset + info.end)))
     out = mmap.mmap(-1, max(file.bytes, 1))
-    out[: header.data_offset] = read(0, header.data_offset)
+    head = read(0, header.data_offset)
+    if len(head) != header.data_offset:
+        raise FormatError("short read of the header: the file is truncated", path=file.path)
+    out[: header.data_offset] = head
     for start, stop in _merged(ranges):
         data = read(start, stop)
         if len(data) != stop - start:

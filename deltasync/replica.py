@@ -358,6 +358,8 @@ class Replica:
         # check anchors and protocol 1 deltas (not slices of them, which have no such hash).
         per_tensor = boxes is None and (meta.kind == "anchor" or meta.state_digest is None)
         after = _after(decoded, state, self.verify and per_tensor, self.sink.keeps_tensors, path)
+        if boxes is not None and self.verify and meta.kind == "anchor":
+            _check_whole_boxes(decoded, boxes, path)
         file = StagedFile(meta, path, decoded, after)
         if not self.verify:
             return file, None, 0, None
@@ -445,6 +447,11 @@ class Replica:
         else:
             self._digest = combined[-1] if prepared.partials else total(prepared.sums)
         return prepared.versions
+
+    def forget(self) -> None:
+        """Hold no known version any more (the bytes stay): the next update replays from an
+        anchor. For states found inconsistent where the replica cannot name the cause."""
+        self.run_id, self.version, self._sums, self._digest = None, None, None, None
 
     def stage(self, data: FileData, *, path: str | None = None) -> PreparedUpdate:
         """`prepare` for one file."""
@@ -554,6 +561,17 @@ def _check_state(meta: FileMetadata, found: StateDigest, path: str | None) -> No
                 f"{meta.state_digest}; nothing was applied"
             ),
         )
+
+
+def _check_whole_boxes(decoded: DecodedFile, boxes: Boxes, path: str | None) -> None:
+    """A slice that is the whole tensor (a norm every worker holds) is checked against the
+    anchor's per-tensor digest: a worker that does not own it adds it to no digest share."""
+    for name, tensor in decoded.tensors.items():
+        expected = decoded.meta.tensors[name].digest
+        if boxes[name].is_whole and expected is not None:
+            found = tensor_digest(tensor)
+            if found != expected:
+                raise DigestMismatch(name, expected, found, path=path)
 
 
 def _after(

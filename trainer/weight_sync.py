@@ -57,7 +57,7 @@ class BucketWeightTransfer:
             replica is caught up from the bucket at the next version.
         verify_digests: after each sync also compare every served tensor's digest (replica RPC)
             with the trainer's bf16 view (a full hash pass on both sides; for tests and audits);
-            for a tensor-parallel replica, the full-state digest its workers combined.
+            for a tensor-parallel replica, the full-state digest its workers recompute.
         rewards: TRL's logged reward per step (`trainer.rewards.RewardCallback` fills it); each
             version is tagged with the step current at `send_weights` and gets that step's
             reward. None: records carry no step and no reward.
@@ -236,7 +236,7 @@ class BucketWeightTransfer:
 
     def _check_served(self, client: ReplicaClient, version: int, expected: dict[str, str]) -> None:
         """Whole-tensor digests; a tensor-parallel replica's workers hold slices, so for it the
-        full-state digest they combined (and checked at the apply) must be the version's."""
+        full-state digest recomputed now over what its workers serve must be the version's."""
         report = client.digests()
         if report.get("workers") is None:
             _check_digests(report["digests"], expected)
@@ -244,11 +244,11 @@ class BucketWeightTransfer:
         manifest = read_manifest(self.publisher.store)
         entries = [] if manifest is None else [*manifest.anchors, *manifest.deltas]
         promised = {e.state_digest for e in entries if e.version == version}
-        served = client.status()["state_digest"]
-        if served not in promised or None in promised:
+        served_version, served = client.served_state_digest()
+        if served_version != version or served is None or served.hex() not in promised:
             raise DeltaSyncError(
-                f"replica's combined full-state digest {served} is not version {version}'s "
-                f"{sorted(map(str, promised))}"
+                f"replica's served full-state digest {served} (version {served_version}) is not "
+                f"version {version}'s {sorted(map(str, promised))}"
             )
 
     def _write_metrics(self, record: SyncRecord) -> None:

@@ -19,6 +19,7 @@ import urllib.request
 from typing import Any
 
 from ..errors import DeltaSyncError
+from ..state_digest import StateDigest, total
 
 __all__ = ["ReplicaClient", "ReplicaError"]
 
@@ -146,6 +147,23 @@ class ReplicaClient:
             )
         workers = [{"digests": r["digests"], "boxes": r["boxes"]} for r in results]
         return first | {"digests": None, "boxes": None, "workers": workers}
+
+    def served_state_digest(self) -> tuple[int | None, StateDigest | None]:
+        """(version, full-state digest) recomputed now over the served weights: the sum of
+        every worker's share (one share per tensor-parallel worker)."""
+        results = self.rpc_all("deltasync_state_share")
+        if not all(isinstance(r, dict) and "share" in r for r in results):
+            raise ReplicaError("workers sent no digest share", url=self.base_url, body=str(results))
+        if any(
+            (r["run_id"], r["version"]) != (results[0]["run_id"], results[0]["version"])
+            for r in results
+        ):
+            raise ReplicaError(
+                "workers hold different versions", url=self.base_url, body=str(results)
+            )
+        if any(r["share"] is None for r in results):
+            return results[0]["version"], None
+        return results[0]["version"], total([StateDigest.parse(r["share"]) for r in results])
 
     # -- weight sync ---------------------------------------------------------------------------
 

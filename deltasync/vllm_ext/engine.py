@@ -30,7 +30,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from ..errors import DeltaSyncError, FormatError
+from ..errors import DeltaSyncError, DigestMismatch, FormatError
 from ..manifest import ChainEntry, fetch_entry, read_manifest
 from ..ranged import fetch_slices
 from ..replica import PreparedUpdate, Replica, Shapes
@@ -186,30 +186,58 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                     return prepared
         return self._prepare(store, state, info.version, info.path)
 
+    def _settled_take(self, info: UpdateInfo) -> _Prepared:
+        """`_take` once no staging reads the state any more (it is about to change)."""
+        self._ready()
+        with self._lock:
+            pending = list(self._staging.values())
+        for future in pending:
+            future.exception(timeout=STAGE_TIMEOUT_S)
+        return self._take(info)
+
     def _take_with_workers(self, info: UpdateInfo) -> tuple[_Prepared, list[StateDigest] | None]:
         """`_take` on every TP worker, then the exchange of their digest shares (and, with an
-        anchor, of their boxes); every worker reaches the same verdict, so all apply or none."""
+        anchor, of their boxes); every worker reaches the same verdict, so all apply or none.
+
+        Every worker reaches the exchange whatever happens before it (its error is its answer).
+        Workers found holding different versions (one failed inside an apply the others
+        completed) all forget theirs, so the next update replays from an anchor on every one;
+        a combined digest that differs does the same (`receive_weights`), as a worker's held
+        bytes may have drifted.
+        """
         from vllm.distributed import get_tp_group
 
         prepared: _Prepared | None = None
+        held: tuple[str | None, int | None] = (None, None)
         try:
-            prepared = self._take(info)
+            state = self._ready()[1]
+            held = (state.run_id, state.version)
+            prepared = self._settled_take(info)
             update = prepared.update
             boxes = None
             anchors = [f.meta for f in update.files if f.meta.kind == "anchor"]
             if anchors:
                 shapes = {n: e.shape for n, e in anchors[-1].tensors.items()}
                 boxes = (shapes, self._ready()[1].sink.boxes(shapes))
-            mine: tuple[str | None, list[str], Any] = (
+            mine: tuple[str | None, list[str], Any, Any] = (
                 None,
                 [p.hex() for p in update.partials],
                 boxes,
+                held,
             )
         except Exception as exc:  # the others wait for this worker's answer either way
-            mine = (f"{type(exc).__name__}: {exc}", [], None)
+            mine = (f"{type(exc).__name__}: {exc}", [], None, held)
         group = get_tp_group()
         found: list[Any] = [None] * group.world_size
         torch.distributed.all_gather_object(found, mine, group=group.cpu_group)
+        if any(bases != found[0][3] for *_, bases in found):
+            if self.state is not None:
+                self.state.forget()
+            raise DeltaSyncError(
+                f"TP workers held different versions {[b for *_, b in found]}; every worker "
+                "replays from an anchor at the next update"
+            )
+        found = [f[:3] for f in found]
         failed = [(rank, error) for rank, (error, _, _) in enumerate(found) if error]
         if failed:
             rank, error = failed[0]
@@ -223,10 +251,10 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 raise DeltaSyncError("TP workers staged different updates")
             check_cover([boxes for _, boxes in layouts], layouts[0][0])
         shares = [[StateDigest.parse(h) for h in partials] for _, partials, _ in found]
-        if not shares[0]:
-            return prepared, None  # nothing to verify (verification off or nothing to apply)
         if any(len(s) != len(shares[0]) for s in shares):
             raise DeltaSyncError("TP workers staged different updates")
+        if not shares[0]:
+            return prepared, None  # nothing to verify (verification off or nothing to apply)
         return prepared, [total(list(files)) for files in zip(*shares, strict=True)]
 
     # -- the update session --------------------------------------------------------------------
@@ -243,18 +271,19 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
         """Apply (verified) every file up to `update_info.version`; on error nothing changes."""
-        _, state = self._ready()
         started = time.perf_counter()
-        with self._lock:  # no staging reads the state while it changes
-            pending = list(self._staging.values())
-        for future in pending:
-            future.exception(timeout=STAGE_TIMEOUT_S)
         if self.tp_size > 1:
             prepared, combined = self._take_with_workers(update_info)
         else:
-            prepared, combined = self._take(update_info), None
+            prepared, combined = self._settled_take(update_info), None
+        state = self._ready()[1]
         committing = time.perf_counter()
-        applied = state.commit(prepared.update, combined)
+        try:
+            applied = state.commit(prepared.update, combined)
+        except DigestMismatch:
+            if combined is not None:  # one worker's held bytes may have drifted: all reload
+                state.forget()
+            raise
         self.last_update = {
             "version": update_info.version,
             "applied": applied,
@@ -292,6 +321,13 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             "staging": staging,
             "last_update": self.last_update,
         }
+
+    def state_share(self) -> dict[str, Any]:
+        """This worker's share of the full-state digest, recomputed now over what it holds (all
+        of it when it holds whole tensors); TP workers' shares add up to the state's digest."""
+        _, state = self._ready()
+        share = total(list(state.sink.state_sums().values())) if state.version else None
+        return {"run_id": state.run_id, "version": state.version, "share": share and share.hex()}
 
     def digests(self) -> dict[str, Any]:
         """Per-tensor digests of the weights this worker serves (HF names, bf16 bytes); under

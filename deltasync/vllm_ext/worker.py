@@ -65,6 +65,10 @@ class DeltaSyncWorkerExtension:
         """Bucket, run, version held, staging states and the last update's timings."""
         return self._deltasync_engine().status()
 
+    def deltasync_state_share(self) -> dict[str, Any]:
+        """This worker's share of the full-state digest, recomputed over what it serves."""
+        return self._deltasync_engine().state_share()
+
     def deltasync_digests(self) -> dict[str, Any]:
         """Per-tensor xxh3-128 digests of the served bf16 weights, by HF name."""
         return self._deltasync_engine().digests()

@@ -12,6 +12,7 @@ from model_steps import AdamWLoop, tiny_qwen3
 from sharded_bucket import SHAPES, write_sharded_bucket
 
 from bench.tp_slices import CountingStore
+from deltasync.codec import ParsedFile
 from deltasync.errors import DigestMismatch, FormatError
 from deltasync.manifest import fetch_entry, read_manifest
 from deltasync.policy import AnchorPolicy
@@ -205,3 +206,23 @@ def test_a_truncated_anchor_is_refused_by_a_ranged_read(tmp_path):
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(FormatError):
         sync_all(workers(), store, ranged=True)
+
+
+def test_a_tampered_norm_is_refused_by_the_worker_that_does_not_own_it(tmp_path):
+    """A ranged read skips the whole-file digest; a norm held whole by every worker but counted
+    only by rank 0 is still checked against the anchor's per-tensor digest on rank 1."""
+    model = tiny_qwen3()
+    publisher = Publisher(LocalStore(str(tmp_path)), PublisherConfig(run_id="r"))
+    publisher.publish(model).result(timeout=60)
+    publisher.close()
+    store = LocalStore(str(tmp_path))
+    entry = read_manifest(store).anchors[0]
+    parsed = ParsedFile.parse(store.get(entry.path))
+    info = parsed.header.tensors["model.norm.weight"]
+    data = bytearray(parsed.data)
+    data[parsed.header.data_offset + info.start] ^= 1
+    (tmp_path / entry.path).write_bytes(bytes(data))
+    rank1 = workers()[1]
+    with pytest.raises(DigestMismatch) as caught:
+        rank1.prepare([(fetch_slices(store, entry, rank1.sink.boxes), entry.label)])
+    assert caught.value.tensor == "model.norm.weight"

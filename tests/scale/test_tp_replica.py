@@ -117,6 +117,8 @@ def test_tp2_replica_holds_every_version_bitwise(tp_replica, sharded_run, sharde
             assert worker["digests"] == expected, version
     status = tp_replica.status()
     assert status["state_digest"] == manifest.deltas[-1].state_digest
+    version, served = tp_replica.served_state_digest()  # recomputed over the workers' slices
+    assert (version, served.hex()) == (manifest.latest_version, manifest.deltas[-1].state_digest)
     vocab = state["model.embed_tokens.weight"].shape[0]
     rows = [w["model.embed_tokens.weight"].rows for w in workers]
     half = -(-vocab // 64) * 64 // 2  # vLLM pads the vocabulary to 64 rows, then splits it
