@@ -7,13 +7,14 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .changes import Diff, scatter
 from .codec import encode_anchor, encode_delta
 from .codec.metadata import check_tiling, validate_run_id
+from .device_snapshot import DeviceSnapshot, detection_device
 from .digest import bytes_digest
 from .errors import FormatError, PublishError, StoreError
 from .manifest import (
@@ -37,7 +38,7 @@ from .shards import (
     replay_rows,
     to_global,
 )
-from .snapshot import Bf16Snapshot, NamedTensors
+from .snapshot import Bf16Snapshot, NamedTensors, digests_after
 from .state_digest import StateDigest, total
 from .state_hash import apply_changes, state_sums
 from .store import Store
@@ -59,6 +60,10 @@ class PublisherConfig:
         write_metrics: write each version's metrics record after its commit. A caller that
             completes the record itself (the trainer adds replica outcomes and the reward)
             turns this off and writes it once, so every record has exactly one writer.
+        change_detection: where `publish` compares the weights with the last version: `host`
+            (a bf16 copy of every parameter scanned on the CPU), `device` (against a bf16
+            reference on the parameters' device, 2 bytes per parameter there; only changed
+            elements reach the host) or `auto` (device when the parameters are not on the CPU).
     """
 
     run_id: str
@@ -66,9 +71,14 @@ class PublisherConfig:
     policy: AnchorPolicy = field(default_factory=AnchorPolicy)
     queue_size: int = 2
     write_metrics: bool = True
+    change_detection: str = "auto"
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
+        if self.change_detection not in ("host", "device", "auto"):
+            raise ValueError(
+                f"change_detection must be host, device or auto, got {self.change_detection!r}"
+            )
         if self.queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
 
@@ -123,7 +133,7 @@ class Publisher:
         self._layout: dict[str, RowShard] | None = None
         self.last_parts: list[dict[str, float | int]] = []  # per rank, the last version
         self._lock = threading.Lock()
-        self._snapshot: Bf16Snapshot | None = None
+        self._snapshot: Bf16Snapshot | DeviceSnapshot | None = None
         self._manifest: Manifest | None = None
         self._sums: dict[str, StateDigest] | None = None  # per tensor, last committed version
         self._pending: list[_Job] = []
@@ -152,10 +162,12 @@ class Publisher:
             self._start()
         with self._lock:
             if self._snapshot is None:
-                self._snapshot, diff = Bf16Snapshot.capture(source), None
+                self._snapshot, diff = self._detector(Bf16Snapshot.capture(source), source), None
             else:
+                if isinstance(self._snapshot, Bf16Snapshot):  # resumed from the bucket
+                    self._snapshot = self._detector(self._snapshot, source)
                 pending = [j.diff for j in self._pending if j.diff]
-                diff = self._snapshot.diff(source, pending, digests=self.shards is None)
+                diff = self._snapshot.diff(source, pending, digests=False)  # hashed by the worker
             version = (self.committed_version or 0) + len(self._pending) + 1
             job = _Job(version, diff, Future(), time.perf_counter() - started, time.time())
             self._pending.append(job)
@@ -209,6 +221,11 @@ class Publisher:
             raise PublishError(f"the parameters' shards changed between versions: {moved}")
         self._layout = layout
         return local
+
+    def _detector(self, host: Bf16Snapshot, source: NamedTensors) -> Bf16Snapshot | DeviceSnapshot:
+        """The host snapshot, or a device reference beside it (`change_detection`)."""
+        device = detection_device(source, self.config.change_detection)
+        return host if device is None else DeviceSnapshot(host, device)
 
     def _start(self) -> None:
         """Resume the run in the bucket when its manifest names our run id."""
@@ -283,6 +300,8 @@ class Publisher:
         else:  # the worker runs versions in order, so `_sums` is the base's
             sums = apply_changes(self._sums, job.diff.changes)
         state_digest = total(sums)
+        if job.diff is not None:
+            job.diff = replace(job.diff, digests=digests_after(snapshot.tensors, job.diff))
         digest_s = time.perf_counter() - t0
         if job.diff is not None:
             t0 = time.perf_counter()
@@ -578,7 +597,9 @@ def _sharded_entry(
     )
 
 
-def _state_after(snapshot: Bf16Snapshot, diff: Diff | None) -> dict[str, torch.Tensor]:
+def _state_after(
+    snapshot: Bf16Snapshot | DeviceSnapshot, diff: Diff | None
+) -> dict[str, torch.Tensor]:
     """The full bf16 state once `diff` is applied, copying only the tensors it touches."""
     state = dict(snapshot.tensors)
     for name, change in (diff.changes if diff else {}).items():

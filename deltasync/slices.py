@@ -25,7 +25,7 @@ from .errors import FormatError
 from .state_digest import StateDigest, total
 from .state_hash import indexed_sum, tensor_sum
 
-__all__ = ["Box", "Boxes", "box_change_sums", "box_sums", "check_cover"]
+__all__ = ["Box", "Boxes", "box_change_sums", "box_sums", "check_cover", "held_indices"]
 
 _SUM_CHUNK = 1 << 22  # elements per digest task of a column box
 
@@ -123,6 +123,21 @@ class Box:
 
 
 Boxes = Mapping[str, Box]
+
+
+def held_indices(
+    indices: np.ndarray, *, offset: int = 0, box: Box | None = None
+) -> tuple[np.ndarray, np.ndarray | slice | None]:
+    """A tensor's changes (ascending global flat indices) as the reader holds them, and which
+    were kept: inside `box` at the box's flat indices (a tensor-parallel worker), or relative to
+    the row block starting at flat `offset`, where every change must lie (a trainer rank)."""
+    if box is not None:
+        return box.localize(indices)
+    if offset:
+        if indices.size and indices[0] < offset:
+            raise FormatError(f"indices before the block starting at {offset}")
+        return indices - offset, None
+    return indices, None
 
 
 def box_sums(tensors: Mapping[str, torch.Tensor], boxes: Boxes) -> dict[str, StateDigest]:

@@ -14,7 +14,7 @@ from .changes import bits as _bits
 from .digest import tensor_digest
 from .errors import FormatError
 
-__all__ = ["Bf16Snapshot", "NamedTensors", "bf16_view", "named_tensors"]
+__all__ = ["Bf16Snapshot", "NamedTensors", "bf16_view", "digests_after", "named_tensors"]
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module
 
@@ -100,6 +100,21 @@ def _fold(pending: Sequence[Diff]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         last = np.append(idx[1:] != idx[:-1], True)
         folded[name] = (idx[last], bits[last])
     return folded
+
+
+def digests_after(tensors: Mapping[str, torch.Tensor], diff: Diff) -> dict[str, str]:
+    """Every tensor's xxh3 once `diff` is applied to `tensors` (one patched copy at a time)."""
+
+    def one(name: str) -> str:
+        change = diff.changes.get(name)
+        if change is None:
+            return tensor_digest(tensors[name])
+        patched = tensors[name].clone()
+        scatter(patched, change.indices, change.values)
+        return tensor_digest(patched)
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        return dict(zip(tensors, pool.map(one, tensors), strict=True))
 
 
 class Bf16Snapshot:

@@ -19,7 +19,7 @@ from ..errors import FormatError
 from ..slices import Boxes
 from ..state_digest import StateDigest, total
 from ..state_hash import state_sums
-from . import coo, packed
+from . import ans, coo, packed
 from .header import TensorInfo
 from .metadata import (
     ENCODINGS,
@@ -33,8 +33,12 @@ from .metadata import (
 
 __all__ = ["DecodedFile", "decode", "encode_anchor", "encode_delta"]
 
-_SUFFIXES = {"packed": (".gaps", ".vals"), "coo": (".indices", ".values")}
-_DTYPES = {"packed": ("U8", "U8"), "coo": ("I32", "BF16")}
+_SUFFIXES = {
+    "ans": (".gaps", ".vals"),
+    "packed": (".gaps", ".vals"),
+    "coo": (".indices", ".values"),
+}
+_DTYPES = {"ans": ("U8", "U8"), "packed": ("U8", "U8"), "coo": ("I32", "BF16")}
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,9 @@ def encode_delta(
         state_digest=state_digest,  # type: ignore[arg-type]
         part=part,
     )
-    if encoding == "packed":
+    if encoding == "ans":
+        payload = ans.encode_changes(diff.changes)
+    elif encoding == "packed":
         payload = packed.encode_changes(diff.changes)
     else:
         payload = coo.encode_changes(diff.changes, diff.shapes)
@@ -347,8 +353,9 @@ def _decode_one(
             f"shape {entry.shape} differs from the reader's {tuple(target.shape)}", tensor=name
         )
     try:
-        if meta.encoding == "packed":
-            change = packed.decode_tensor(
+        if meta.encoding in ("ans", "packed"):
+            module = ans if meta.encoding == "ans" else packed
+            change = module.decode_tensor(
                 tensors[f"{name}.gaps"],
                 tensors[f"{name}.vals"],
                 entry.changed,

@@ -30,13 +30,13 @@ __all__ = [
     "validate_run_id",
 ]
 
-PROTOCOL = "deltasync/3"  # bump on any change of the wire format (bucket_layout.md)
-# 1: before the full-state digest; 2: before sharded versions (part files)
-READABLE_PROTOCOLS = ("deltasync/1", "deltasync/2", PROTOCOL)
+PROTOCOL = "deltasync/4"  # bump on any change of the wire format (bucket_layout.md)
+# 1: before the full-state digest; 2: before sharded versions (part files); 3: before `ans`
+READABLE_PROTOCOLS = ("deltasync/1", "deltasync/2", "deltasync/3", PROTOCOL)
 _PROTOCOL = re.compile(r"deltasync/([1-9][0-9]{0,5})")
-ENCODINGS = ("packed", "coo")  # delta encodings; anchors are "full"
+ENCODINGS = ("ans", "packed", "coo")  # delta encodings; anchors are "full"
 Kind = Literal["anchor", "delta"]
-Encoding = Literal["full", "coo", "packed"]
+Encoding = Literal["full", "coo", "packed", "ans"]
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEX128 = re.compile(r"[0-9a-f]{32}")
 _MAX_VERSION = 2**53
@@ -180,6 +180,8 @@ class FileMetadata:
             out |= {"format": "sparse_weight_patch", "version": "1"}
         elif self.encoding == "packed":
             out |= {"format": "deltasync_packed", "packed": "leb128-gap+zigzag-bitdiff/zstd"}
+        elif self.encoding == "ans":
+            out |= {"format": "deltasync_ans", "ans": "rans14-gap+zigzag-bitdiff"}
         if self.part is not None:  # no loader may take one part for a whole checkpoint or patch
             rows = {n: list(r) for n, r in self.part.rows.items()}
             out |= {
@@ -211,9 +213,7 @@ class FileMetadata:
                 raise FormatError(f"unsupported state digest {algorithm!r}", path=path)
             state_digest = StateDigest.parse(meta.get("state_digest"), path=path)
         kind = _choice(meta, "kind", ("anchor", "delta"), path)
-        encoding = _choice(
-            meta, "encoding", ("full",) if kind == "anchor" else ("coo", "packed"), path
-        )
+        encoding = _choice(meta, "encoding", ("full",) if kind == "anchor" else ENCODINGS, path)
         version = _int(meta, "model_version", path, minimum=1)
         base = _int(meta, "base_version", path, minimum=0) if kind == "delta" else None
         if base is not None and base != version - 1:

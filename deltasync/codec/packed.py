@@ -13,11 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-import zstandard
 
 from ..changes import WORKERS, TensorChange
 from ..errors import FormatError
-from ..slices import Box
+from ..slices import Box, held_indices
 from .varint import gap_varints, indices_from_gaps, step_varints, values_from_steps
 
 __all__ = ["decode_tensor", "encode_changes"]
@@ -28,6 +27,8 @@ _VAL_BYTES_MAX = 3
 
 
 def _encode_one(item: tuple[str, TensorChange], level: int) -> list[tuple[str, np.ndarray]]:
+    import zstandard  # only where `packed` files are met: `ans` needs no zstd
+
     name, change = item
     gaps = gap_varints(change.indices.numpy())
     steps = step_varints(
@@ -51,6 +52,8 @@ def encode_changes(
 
 def _decompress(blob: torch.Tensor, max_bytes: int, what: str) -> np.ndarray:
     """zstd frame -> bytes, refusing frames that declare or produce more than `max_bytes`."""
+    import zstandard
+
     raw = blob.numpy().tobytes()
     try:
         params = zstandard.get_frame_parameters(raw)
@@ -84,13 +87,7 @@ def decode_tensor(
     indices = indices_from_gaps(
         _decompress(gaps_blob, count * _GAP_BYTES_MAX, "gaps"), count, numel
     )
-    kept = None
-    if box is not None:
-        indices, kept = box.localize(indices)
-    elif offset:
-        if indices.size and indices[0] < offset:
-            raise FormatError(f"indices before the block starting at {offset}")
-        indices = indices - offset
+    indices, kept = held_indices(indices, offset=offset, box=box)
     previous, values = values_from_steps(
         _decompress(vals_blob, count * _VAL_BYTES_MAX, "vals"),
         base.detach().reshape(-1).view(torch.int16).numpy(),

@@ -64,7 +64,7 @@ def _refused(replica, blob, error=DeltaSyncError):
     return str(info.value)
 
 
-@pytest.mark.parametrize("encoding", ["packed", "coo"])
+@pytest.mark.parametrize("encoding", ["ans", "packed", "coo"])
 def test_truncated_file(setup, encoding):
     replica, diff = setup
     blob = _delta(diff, encoding)
@@ -83,7 +83,7 @@ def test_header_not_json(setup):
     _refused(replica, struct.pack("<Q", 4) + b"\xff{x}", FormatError)
 
 
-@pytest.mark.parametrize("encoding", ["packed", "coo"])
+@pytest.mark.parametrize("encoding", ["ans", "packed", "coo"])
 def test_corrupt_payload_bytes_never_apply(setup, encoding):
     replica, diff = setup
     blob = _delta(diff, encoding)
@@ -131,7 +131,7 @@ def test_wrong_dtype(setup):
     assert "BF16" in _refused(replica, _rewrite(_delta(diff, "coo"), mutate), FormatError)
 
 
-@pytest.mark.parametrize("encoding", ["packed", "coo"])
+@pytest.mark.parametrize("encoding", ["ans", "packed", "coo"])
 def test_unknown_tensor_name(setup, encoding):
     replica, _ = setup
     other = {"a.weight": replica.tensors["a.weight"], "c.weight": torch.zeros(4).bfloat16()}

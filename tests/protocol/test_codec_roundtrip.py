@@ -66,7 +66,7 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.int16).numpy()
 
 
-@pytest.mark.parametrize("encoding", ["packed", "coo"])
+@pytest.mark.parametrize("encoding", ["ans", "packed", "coo"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=change_sets())
 def test_delta_round_trips_bitwise(encoding, data):
@@ -102,7 +102,7 @@ def test_diff_sees_signed_zero_nan_payload_and_subnormal_flips():
 def test_zero_change_delta_is_valid_and_empty():
     t = {"w": torch.zeros(4, 4, dtype=torch.bfloat16)}
     diff = Bf16Snapshot(t).diff(t)
-    for encoding in ("packed", "coo"):
+    for encoding in ("ans", "packed", "coo"):
         digest = full_state_digest(t)
         blob = encode_delta(
             diff, run_id="run", version=2, base_version=1, state_digest=digest, encoding=encoding

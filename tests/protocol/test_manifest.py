@@ -76,7 +76,7 @@ def test_version_must_follow():
     [
         lambda m: m.pop("run_id"),
         lambda m: m.update(extra=1),
-        lambda m: m.update(protocol="deltasync/4"),
+        lambda m: m.update(protocol="deltasync/5"),
         lambda m: m.update(latest_version="7"),
         lambda m: m.update(latest_version=99),
         lambda m: m["deltas"].pop(1),

@@ -1,4 +1,4 @@
-"""Protocol versions: files of protocol 1 written before the redesign still read, bitwise; a
+"""Protocol versions: files of protocols 1-3 written by earlier code still read, bitwise; a
 newer file or manifest is refused with one line naming both versions."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from deltasync.state_hash import full_state_digest
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "protocol-1"
 FIXTURES_2 = Path(__file__).parents[1] / "fixtures" / "protocol-2"
+FIXTURES_3 = Path(__file__).parents[1] / "fixtures" / "protocol-3"
+NEWER = f"deltasync/{int(PROTOCOL.split('/')[1]) + 1}"
 
 
 @pytest.mark.parametrize("encoding", ["packed", "coo"])
@@ -51,18 +53,18 @@ def _with_protocol(data: bytes, protocol: str) -> bytes:
 def test_newer_file_is_refused_naming_both_versions():
     delta = next((FIXTURES / "bucket-packed").rglob("00000002-*.safetensors"))
     with pytest.raises(FormatError) as info:
-        ParsedFile.parse(_with_protocol(delta.read_bytes(), "deltasync/4"))
+        ParsedFile.parse(_with_protocol(delta.read_bytes(), NEWER))
     message = str(info.value)
-    assert "deltasync/4" in message and PROTOCOL in message and "upgrade" in message
+    assert NEWER in message and PROTOCOL in message and "upgrade" in message
     assert "\n" not in message
 
 
 def test_newer_manifest_is_refused_before_its_keys_are_checked():
     raw = json.loads((FIXTURES / "bucket-packed" / "manifest.json").read_bytes())
-    raw |= {"protocol": "deltasync/4", "fence": {"epoch": 3}}  # a field this reader lacks
+    raw |= {"protocol": NEWER, "fence": {"epoch": 3}}  # a field this reader lacks
     with pytest.raises(FormatError) as info:
         Manifest.from_json(json.dumps(raw).encode())
-    assert "deltasync/4" in str(info.value) and PROTOCOL in str(info.value)
+    assert NEWER in str(info.value) and PROTOCOL in str(info.value)
     assert "keys" not in str(info.value)
 
 
@@ -70,7 +72,7 @@ def test_newer_manifest_is_refused_before_its_keys_are_checked():
 def test_unknown_protocol_names_what_was_found(found):
     raw = json.loads((FIXTURES / "bucket-packed" / "manifest.json").read_bytes())
     raw["protocol"] = found
-    with pytest.raises(FormatError, match="this reader speaks deltasync/3"):
+    with pytest.raises(FormatError, match=f"this reader speaks {PROTOCOL}"):
         Manifest.from_json(json.dumps(raw).encode())
 
 
@@ -91,6 +93,25 @@ def test_protocol_2_buckets_replay_bitwise_with_their_state_digests(encoding):
     anchor = safetensors.torch.load(fetch_entry(store, manifest.latest_anchor))
     assert full_state_digest(anchor).hex() == manifest.latest_anchor.state_digest
     assert full_state_digest(replica.tensors) == replica.state_digest
+
+
+def test_protocol_3_sharded_bucket_replays_bitwise():
+    """Part files of protocol 3 (two ranks' rows, `packed`): joined, verified, bitwise."""
+    from sharded_bucket import state_at, step
+
+    store = open_store(str(FIXTURES_3 / "bucket-sharded-packed"))
+    manifest = read_manifest(store)
+    assert manifest.protocol == "deltasync/3" and manifest.latest_version == 4
+    assert all(len(e.parts) == 2 for e in (*manifest.anchors, *manifest.deltas))
+    states = [state_at(0)]
+    for seed in range(1, 4):
+        states.append(step(states[-1], seed))
+    replica = Replica()
+    replica.sync(store)
+    assert replica.version == 4
+    assert replica.state_digest.hex() == manifest.deltas[-1].state_digest
+    for name, tensor in states[-1].items():
+        assert torch.equal(replica.tensors[name].view(torch.int16), tensor.view(torch.int16))
 
 
 def test_protocol_1_run_resumed_by_a_newer_publisher(tmp_path):

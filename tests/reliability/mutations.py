@@ -17,6 +17,8 @@ import zstandard
 from hypothesis import strategies as st
 from wire_samples import join, split
 
+from deltasync.codec.rans import encode_integers
+
 # Values that are wrong in interesting ways wherever a JSON value is expected.
 HUGE = [2**31, 2**32, 2**40, 2**53, 2**63, 2**64, 10**30, 10**400]
 JSON_SCALARS = st.one_of(
@@ -78,11 +80,13 @@ META_STRINGS = st.one_of(
             "../x",
             "deltasync/2",
             "deltasync/4",
+            "deltasync/5",
             "deltasync/1 ",
             "anchor",
             "delta",
             "full",
             "packed",
+            "ans",
             "coo",
             "xxh3-64",
             "True",
@@ -297,15 +301,19 @@ def _tensors_edit(draw, raw: str, kind: str) -> str:
 
 @st.composite
 def payload_edit(draw, blob: bytes) -> bytes:
-    """A payload tensor replaced: random zstd frames (packed) or random index arrays (coo)."""
+    """A payload tensor replaced: random zstd frames (packed), rANS streams (ans) or random
+    index arrays (coo)."""
     header, data = split(blob)
     keys = sorted(k for k in header if k != "__metadata__")
     if not keys:
         return blob
     key = draw(st.sampled_from(keys))
     if key.endswith((".gaps", ".vals")):
-        choice = draw(st.sampled_from(["zstd_random", "zstd_leb", "raw", "empty"]))
-        if choice == "zstd_random":
+        choice = draw(st.sampled_from(["zstd_random", "zstd_leb", "rans", "raw", "empty"]))
+        if choice == "rans":  # a valid stream of other integers, or another count
+            values = draw(st.lists(st.integers(0, 2**20) | st.integers(0, 40), max_size=40))
+            payload = encode_integers(np.array(values, np.int64), draw(st.integers(0, 6)))
+        elif choice == "zstd_random":
             payload = zstandard.ZstdCompressor().compress(draw(st.binary(max_size=64)))
         elif choice == "zstd_leb":  # valid varints, wrong values or count
             values = draw(st.lists(st.integers(0, 700), max_size=40))

@@ -22,7 +22,7 @@ from deltasync.store import LocalStore
 
 CHAIN = build_chain(5)
 OTHER = build_chain(5, run_id="run-b", seed=1)  # same model, another run
-ENCODINGS = ["packed", "coo"]
+ENCODINGS = ["ans", "packed", "coo"]
 
 
 def _refused(replica, blob: bytes, error: type[DeltaSyncError] = DeltaSyncError) -> str:

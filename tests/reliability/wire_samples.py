@@ -76,7 +76,7 @@ def build_chain(
     deltas = {}
     for v in range(2, versions + 1):
         diff = Bf16Snapshot({n: t.clone() for n, t in states[v - 1].items()}).diff(states[v])
-        for encoding in ("packed", "coo"):
+        for encoding in ("ans", "packed", "coo"):
             deltas[encoding, v] = encode_delta(
                 diff,
                 run_id=run_id,

@@ -1,0 +1,200 @@
+"""The prepared GPU check: what a GPU trainer and a GPU replica pay per version, bit for bit.
+
+    PYTHONPATH=. python -m bench.gpu --json gpu.json          # cuda: qwen3-0.6b and qwen3-1.7b
+    PYTHONPATH=. python -m bench.gpu --device cpu --models qwen3-tiny --steps 2   # what CI runs
+
+`scripts/gpu_check.sh` runs it on a bare single-GPU machine. It needs torch, numpy, numba, xxhash,
+safetensors and transformers only (no vLLM, no zstandard, no TRL: deltas use the `ans`
+encoding, the replica's parameters are vLLM-shaped stand-ins). Per model shape, over `--steps`
+real AdamW steps (fp32 master weights on the device, LM loss on random tokens, batch 2 x 128):
+- the optimizer step's time;
+- blocking change detection: the device mode (a bf16 reference on the device, only changed
+  elements copied out) against the host-snapshot mode (every parameter copied to the host as
+  bf16, then the compiled scan); both diffs must be equal bit for bit;
+- the full-state digest moved in O(changed) (what the publisher's worker does per version) and
+  the per-tensor digests hashed off the training thread;
+- encode (`ans`), then the replica's stage (decode + verify against host copies) and apply (the
+  pause: changed elements written in place into fused qkv / gate_up parameters on the device);
+  afterwards every served parameter equals the trainer's bf16 view bit for bit.
+Any failed check raises; the result (JSON) says `"checks": "ok"` otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from deltasync.codec import encode_anchor, encode_delta
+from deltasync.device_snapshot import DeviceSnapshot
+from deltasync.replica import Replica
+from deltasync.snapshot import Bf16Snapshot, digests_after
+from deltasync.state_digest import total
+from deltasync.state_hash import apply_changes, state_sums
+from deltasync.vllm_ext.device import InPlaceSink
+from deltasync.vllm_ext.layout import build_layout, slot_view
+
+from .realistic import SHAPES, build_config
+from .vllm_standin import StandInQwen3
+
+__all__ = ["main"]
+
+RUN_ID = "gpu-check"
+
+
+def _timed(device: torch.device, fn: Callable, *args, **kwargs) -> tuple[object, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - t0
+
+
+def _same_diff(a, b) -> None:
+    assert a.changes.keys() == b.changes.keys(), "device and host diffs name other tensors"
+    for name, change in a.changes.items():
+        other = b.changes[name]
+        assert torch.equal(change.indices, other.indices), f"indices differ: {name}"
+        for field in ("values", "previous"):
+            got, want = getattr(change, field), getattr(other, field)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{field}: {name}"
+
+
+def _served_equals(standin: torch.nn.Module, trainer: torch.nn.Module) -> None:
+    """Every served row holds the trainer's bf16 view, bit for bit (compared on the device)."""
+    served = dict(standin.named_parameters(remove_duplicate=False))
+    bf16 = {n: p.detach().to(torch.bfloat16) for n, p in trainer.named_parameters()}
+    layout = build_layout(standin, {n: tuple(t.shape) for n, t in bf16.items()})
+    for name, tensor in bf16.items():
+        view = slot_view(served, layout[name])
+        assert torch.equal(view.view(torch.int16), tensor.view(torch.int16)), f"served {name}"
+
+
+def run(model: str, device: torch.device, steps: int, lr: float, seed: int) -> dict:
+    from transformers import Qwen3ForCausalLM
+
+    config = build_config(SHAPES[model])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        trainer = Qwen3ForCausalLM(config).float()
+        standin = StandInQwen3(config)
+    params = sum(p.numel() for p in trainer.parameters())
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+
+    def optimizer_step() -> None:
+        tokens = torch.randint(0, config.vocab_size, (2, 128), generator=generator).to(device)
+        trainer(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    host = Bf16Snapshot.capture(trainer)
+    on_device = DeviceSnapshot(
+        Bf16Snapshot({n: t.clone() for n, t in host.tensors.items()}), device
+    )
+    sums = state_sums(host.tensors)
+    replica = Replica(InPlaceSink(standin))
+    anchor = encode_anchor(host.tensors, run_id=RUN_ID, version=1, state_digest=total(sums))
+    replica.apply(replica.stage(anchor))
+    _served_equals(standin, trainer)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rows = []
+    for step in range(1, steps + 1):
+        _, step_s = _timed(device, optimizer_step)
+        want, host_s = _timed(device, host.diff, trainer, digests=False)
+        diff, device_s = _timed(device, on_device.diff, trainer, digests=False)
+        _same_diff(diff, want)
+        new_sums, digest_s = _timed(device, apply_changes, sums, diff.changes)
+        hashes, hashes_s = _timed(device, digests_after, host.tensors, diff)
+        diff = type(diff)(diff.changes, hashes, diff.shapes)
+        data, encode_s = _timed(
+            device,
+            encode_delta,
+            diff,
+            run_id=RUN_ID,
+            version=step + 1,
+            base_version=step,
+            state_digest=total(new_sums),
+            encoding="ans",
+        )
+        staged, stage_s = _timed(device, replica.stage, data)
+        applied, apply_s = _timed(device, replica.apply, staged)
+        assert applied and replica.version == step + 1, "the replica did not take the version"
+        _served_equals(standin, trainer)
+        host.advance(want)
+        on_device.advance(diff)
+        sums = new_sums
+        rows.append(
+            {
+                "step": step,
+                "density": diff.density,
+                "optimizer_step_s": step_s,
+                "detect_host_snapshot_s": host_s,
+                "detect_device_s": device_s,
+                "digest_update_s": digest_s,
+                "tensor_digests_worker_s": hashes_s,
+                "encode_ans_s": encode_s,
+                "delta_bytes": len(data),
+                "replica_stage_s": stage_s,
+                "replica_apply_s": apply_s,
+            }
+        )
+        print(
+            f"{model} step {step}: density {100 * diff.density:.2f} %, optimizer step "
+            f"{step_s:.3f} s, detect host {host_s:.3f} s / device {device_s:.3f} s, apply "
+            f"{apply_s:.3f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    median = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "step"}
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {
+        "model": model,
+        "params": params,
+        "bf16_bytes": 2 * params,
+        "steps": rows,
+        "median": median,
+        "peak_device_bytes": peak,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b"], choices=SHAPES)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the result here")
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device here: pass --device cpu to run the same checks on the CPU")
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "models": [run(m, device, args.steps, args.lr, args.seed) for m in args.models],
+        "checks": "ok",
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
