@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> dict:
     info: dict = {}
     rows = []
     load0 = os.getloadavg()
-    snap = rep_packed = rep_coo = sums = None
+    snap = rep_ans = rep_packed = rep_coo = sums = None
     model_bytes = 0
     for step, state in bf16_states(
         args.model,
@@ -253,8 +253,9 @@ def run(args: argparse.Namespace) -> dict:
             snap = Bf16Snapshot(_clone(state))
             sums = state_sums(state)
             anchor = encode_anchor(state, run_id=RUN_ID, version=1)  # versions start at 1
-            rep_packed = Replica()
+            rep_packed, rep_ans = Replica(), Replica()
             rep_packed.update(anchor)
+            rep_ans.update(anchor)
             if not args.no_coo_apply:
                 rep_coo = Replica()
                 rep_coo.update(anchor)
@@ -266,10 +267,13 @@ def run(args: argparse.Namespace) -> dict:
             diff, diff_s, diff_cpu = _timed(partial(snap.diff, state), args.repeat)
             enc = partial(_encode_delta, diff, sums, version=step + 1)
             packed, enc_s, enc_cpu = _timed(partial(enc, encoding="packed"), args.repeat)
+        ans, ans_enc_s, ans_enc_cpu = _timed(partial(enc, encoding="ans"), args.repeat)
         coo, coo_enc_s, _ = _timed(partial(enc, encoding="coo"), args.repeat)
         sums = apply_changes(sums, diff.changes)
         apply_first_s, stage_s, commit_s, apply_cpu = _update(rep_packed, packed, step, args.repeat)
         apply_s = stage_s + commit_s
+        _, ans_stage_s, ans_commit_s, ans_apply_cpu = _update(rep_ans, ans, step, args.repeat)
+        ans_apply_s = ans_stage_s + ans_commit_s
         coo_apply_s = None
         if rep_coo is not None:
             _, c_stage, c_commit, _ = _update(rep_coo, coo, step, args.repeat)
@@ -279,6 +283,7 @@ def run(args: argparse.Namespace) -> dict:
         ent = entropy_floor(diff)
         k = diff.changed_elements
         gaps_b, vals_b = _payload_split(packed)
+        ans_gaps_b, ans_vals_b = _payload_split(ans)
         row = {
             "step": step,
             "density": diff.density,
@@ -301,6 +306,21 @@ def run(args: argparse.Namespace) -> dict:
             **ent,
             "packed_vs_floor": 8 * len(packed) / k / ent["floor"],
             "packed_vs_ref": len(packed) / ref["bytes"],
+            "ans_bytes": len(ans),
+            "ans_header_bytes": len(ans) - ans_gaps_b - ans_vals_b,
+            "ans_bits": 8 * len(ans) / k,
+            "ans_idx_bits": 8 * ans_gaps_b / k,
+            "ans_val_bits": 8 * ans_vals_b / k,
+            "ans_vs_floor": 8 * len(ans) / k / ent["floor"],
+            "ans_vs_packed": len(ans) / len(packed),
+            "ans_encode_s": ans_enc_s,
+            "ans_apply_s": ans_apply_s,
+            "ans_stage_s": ans_stage_s,
+            "ans_commit_s": ans_commit_s,
+            "ans_encode_gbps": model_bytes / 1e9 / (diff_s + ans_enc_s),
+            "ans_apply_gbps": model_bytes / 1e9 / ans_apply_s,
+            "ans_encode_gb_per_cpu_s": model_bytes / 1e9 / (diff_cpu + ans_enc_cpu),
+            "ans_apply_gb_per_cpu_s": model_bytes / 1e9 / ans_apply_cpu,
             "diff_s": diff_s,
             "encode_s": enc_s,
             "coo_encode_s": coo_enc_s,
@@ -326,14 +346,15 @@ def run(args: argparse.Namespace) -> dict:
         }
         rows.append(row)
         print(
-            f"step {step}: density {100 * diff.density:.3f} %, packed {row['packed_bits']:.2f} "
-            f"bits/changed (floor {ent['floor']:.2f}), diff {diff_s:.2f}s encode {enc_s:.2f}s "
-            f"apply {apply_s:.2f}s",
+            f"step {step}: density {100 * diff.density:.3f} %, ans {row['ans_bits']:.2f} / packed "
+            f"{row['packed_bits']:.2f} bits/changed (floor {ent['floor']:.2f}), diff {diff_s:.2f}s "
+            f"encode ans {ans_enc_s:.2f}s / packed {enc_s:.2f}s, apply ans {ans_apply_s:.2f}s / "
+            f"packed {apply_s:.2f}s",
             file=sys.stderr,
             flush=True,
         )
         snap.advance(diff)
-        del diff, packed, coo
+        del diff, packed, coo, ans
     return {
         "model": args.model,
         "shape": SHAPES[args.model].__dict__,
@@ -365,6 +386,37 @@ def markdown(res: dict) -> str:
         f"### {res['model']}: {res['params'] / 1e6:.0f}M params, "
         f"{res['model_bytes'] / 1e9:.3f} GB bf16, lr {res['lr']:g}, batch "
         f"{res['batch']}x{res['seq']}",
+        "",
+        "Whole files (header included) side by side: `ans` (new default), `packed` (before), "
+        "`coo` (TRL v1), against the entropy floor:",
+        "",
+        "| step | density | ans MB | packed MB | coo MB | ans b/chg (idx+val) | packed b/chg | "
+        "floor b/chg (idx+val) | ans/floor | packed/floor | ans/packed | ans header KB | "
+        "ans encode GB/s (diff+enc) | ans decode+apply GB/s | packed encode GB/s | "
+        "packed decode+apply GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['step']} | {100 * r['density']:.2f} % | {_mb(r['ans_bytes'])} | "
+            f"{_mb(r['packed_bytes'])} | {_mb(r['coo_bytes'])} | {r['ans_bits']:.2f} "
+            f"({r['ans_idx_bits']:.2f}+{r['ans_val_bits']:.2f}) | {r['packed_bits']:.2f} | "
+            f"{r['floor']:.2f} ({r['idx_floor']:.2f}+{r['val_floor']:.2f}) | "
+            f"{r['ans_vs_floor']:.3f} | {r['packed_vs_floor']:.3f} | {r['ans_vs_packed']:.3f} | "
+            f"{r['ans_header_bytes'] / 1e3:.1f} | {r['ans_encode_gbps']:.2f} | "
+            f"{r['ans_apply_gbps']:.2f} | {r['encode_gbps']:.2f} | {r['apply_gbps']:.2f} |"
+        )
+    ans_med = {
+        k: statistics.median(r[k] for r in rows)
+        for k in ("ans_encode_gbps", "ans_apply_gbps", "ans_vs_floor")
+    }
+    out += [
+        "",
+        f"ans: worst step {max(r['ans_vs_floor'] for r in rows):.3f}x the floor (median "
+        f"{ans_med['ans_vs_floor']:.3f}); median encode {ans_med['ans_encode_gbps']:.2f} GB/s, "
+        f"decode+apply {ans_med['ans_apply_gbps']:.2f} GB/s.",
+        "",
+        "The `packed` encoding in detail (as measured before `ans`):",
         "",
         "| step | density | full MB | coo MB | packed MB | ref MB | coo b/chg | packed b/chg "
         "(idx+val) | ref b/chg | floor b/chg (idx+val) | idx floor global | packed/floor "

@@ -19,7 +19,7 @@ import fsspec
 from tqdm import tqdm
 
 from . import MissingExtra, import_tensor_side
-from .codec import read_metadata
+from .codec import ENCODINGS, read_metadata
 from .errors import DeltaSyncError, FormatError
 from .manifest import fetch_entry, read_manifest
 from .store import open_store
@@ -174,9 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
     p.add_argument(
         "--encoding",
-        choices=("packed", "coo"),
-        default="packed",
-        help="delta encoding (default packed)",
+        choices=ENCODINGS,
+        default="ans",
+        help="delta encoding (default ans)",
     )
     p.set_defaults(run=_demo)
     p = sub.add_parser("inspect", help="print a file's metadata (reads only its header)")

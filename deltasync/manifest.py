@@ -99,6 +99,12 @@ class ChainEntry:
         return self.version - 1 if self.kind == "delta" else None
 
     @property
+    def fetch_bytes(self) -> int:
+        """What a reader downloads to apply it: its files, or for a virtual anchor (a file that
+        names a checkpoint) the model's bf16 bytes, read from that checkpoint."""
+        return 2 * self.changed_elements if self.encoding == "virtual" else self.bytes
+
+    @property
     def files(self) -> tuple[PartRef, ...]:
         """The stored files of this version: its one file, or its parts in order."""
         if self.parts is not None:
@@ -217,7 +223,8 @@ class Manifest:
         The one chain planner (replica, vLLM engine, CLI). `target` defaults to the latest
         version; a notification can trail the manifest, so it may be older. Of the routes the
         bucket still holds - the reader's own version replayed by deltas, or the newest anchor at
-        or before `target` plus the deltas after it - the one with fewer bytes wins.
+        or before `target` plus the deltas after it - the one with fewer bytes to fetch wins (a
+        virtual anchor costs the model's bytes).
 
         Raises:
             ChainError: the bucket cannot produce `target` for this reader: not written yet,
@@ -254,7 +261,7 @@ class Manifest:
                 expected=target,
                 found=None,
             )
-        return min(found, key=lambda r: sum(e.bytes for e in r))
+        return min(found, key=lambda r: sum(e.fetch_bytes for e in r))
 
     def _deltas(self, after: int, target: int) -> list[ChainEntry] | None:
         """The contiguous deltas after..target, or None if the chain does not cover them."""

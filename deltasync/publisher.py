@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .changes import Diff, scatter
-from .codec import encode_anchor, encode_delta
+from .codec import encode_anchor, encode_delta, encode_virtual_anchor
 from .codec.metadata import check_tiling, validate_run_id
 from .device_snapshot import DeviceSnapshot, detection_device
 from .digest import bytes_digest
@@ -39,6 +39,7 @@ from .shards import (
     to_global,
 )
 from .snapshot import Bf16Snapshot, NamedTensors, digests_after
+from .source import ModelSource
 from .state_digest import StateDigest, total
 from .state_hash import apply_changes, state_sums
 from .store import Store
@@ -54,12 +55,16 @@ class PublisherConfig:
 
     Attributes:
         run_id: names the run in the bucket; a bucket whose manifest has this run is resumed.
-        encoding: delta encoding, `packed` (default) or `coo` (TRL v1 interoperable).
+        encoding: delta encoding: `ans` (default, within 1 % of the entropy floor), `packed`
+            (the encoding before it) or `coo` (TRL v1 interoperable).
         policy: when to write anchors and how many to keep.
         queue_size: versions that may wait for upload before `publish` blocks (back-pressure).
         write_metrics: write each version's metrics record after its commit. A caller that
             completes the record itself (the trainer adds replica outcomes and the reward)
             turns this off and writes it once, so every record has exactly one writer.
+        source: the checkpoint the trainer started from (a Hub repo at a commit, or a folder).
+            When a new run's first version equals its bf16 bytes, tensor by tensor, version 1
+            is a virtual anchor naming it (a few KB) instead of a full upload.
         change_detection: where `publish` compares the weights with the last version: `host`
             (a bf16 copy of every parameter scanned on the CPU), `device` (against a bf16
             reference on the parameters' device, 2 bytes per parameter there; only changed
@@ -67,10 +72,11 @@ class PublisherConfig:
     """
 
     run_id: str
-    encoding: str = "packed"
+    encoding: str = "ans"
     policy: AnchorPolicy = field(default_factory=AnchorPolicy)
     queue_size: int = 2
     write_metrics: bool = True
+    source: ModelSource | None = None
     change_detection: str = "auto"
 
     def __post_init__(self) -> None:
@@ -321,16 +327,32 @@ class Publisher:
             entries.append(delta_entry)
         if job.diff is None or cfg.policy.wants_anchor(self._manifest, job.version):
             t0 = time.perf_counter()
-            data = encode_anchor(
-                _state_after(snapshot, job.diff),
-                run_id=cfg.run_id,
-                version=job.version,
-                digests=None if job.diff is None else job.diff.digests,
-                state_digest=state_digest,
-            )
+            state = _state_after(snapshot, job.diff)
+            digests = None if job.diff is None else job.diff.digests
+            virtual = self._manifest is None and job.diff is None and self._matches_source(state)
+            if virtual:
+                assert cfg.source is not None
+                data = encode_virtual_anchor(
+                    state,
+                    cfg.source,
+                    run_id=cfg.run_id,
+                    version=job.version,
+                    state_digest=state_digest,
+                )
+            else:
+                data = encode_anchor(
+                    state,
+                    run_id=cfg.run_id,
+                    version=job.version,
+                    digests=digests,
+                    state_digest=state_digest,
+                )
             t1 = time.perf_counter()
             elements = sum(t.numel() for t in snapshot.tensors.values())
-            anchor_entry = self._upload(data, "anchor", job.version, "full", elements, state_digest)
+            encoding = "virtual" if virtual else "full"
+            anchor_entry = self._upload(
+                data, "anchor", job.version, encoding, elements, state_digest
+            )
             encode_s, upload_s = encode_s + t1 - t0, upload_s + time.perf_counter() - t1
             entries.append(anchor_entry)
         previous = self._manifest
@@ -364,6 +386,23 @@ class Publisher:
         )
         self._after_commit(record, previous, manifest)
         return record
+
+    def _matches_source(self, state: dict[str, torch.Tensor]) -> bool:
+        """Whether the first version can name `config.source` instead of carrying weights."""
+        source = self.config.source
+        if source is None:
+            return False
+        differ = source.differences(state)
+        if differ:
+            log.warning(
+                "version 1 is a full anchor: %d tensors differ from the checkpoint %s (%s)",
+                len(differ),
+                source,
+                ", ".join(differ[:3]),
+            )
+            return False
+        log.info("version 1 names the checkpoint %s instead of uploading the weights", source)
+        return True
 
     def _process_part(self, job: _Job) -> SyncRecord:
         """One rank's share of a sharded version: write its part, agree, rank 0 commits."""

@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--encoding",
-        choices=("packed", "coo"),
-        default="packed",
+        choices=("ans", "packed", "coo"),
+        default="ans",
         help="delta encoding (default %(default)s)",
     )
     p.add_argument("--anchor-interval", type=int, default=50, help="anchor every N versions")

@@ -1,6 +1,7 @@
 """Anchor and delta files: a symmetric encode/decode API over safetensors.
 
-Anchors are plain HF-style bf16 checkpoints; deltas use the `packed` (default) or `coo` encoding.
+Anchors are plain HF-style bf16 checkpoints, or virtual anchors naming one; deltas use the `ans`
+(default), `packed` or `coo` encoding.
 Reading headers and metadata (`header`, `metadata`) needs no torch; `encode_*` and `decode` load
 the tensor side (`files`) on first use.
 """
@@ -23,7 +24,7 @@ from .metadata import (
 )
 
 if TYPE_CHECKING:
-    from .files import DecodedFile, decode, encode_anchor, encode_delta
+    from .files import DecodedFile, decode, encode_anchor, encode_delta, encode_virtual_anchor
 
 __all__ = [
     "ENCODINGS",
@@ -40,12 +41,13 @@ __all__ = [
     "decode",
     "encode_anchor",
     "encode_delta",
+    "encode_virtual_anchor",
     "parse_header",
     "parse_header_bytes",
     "read_metadata",
 ]
 
-_TENSOR_SIDE = {"DecodedFile", "decode", "encode_anchor", "encode_delta"}
+_TENSOR_SIDE = {"DecodedFile", "decode", "encode_anchor", "encode_delta", "encode_virtual_anchor"}
 
 
 def __getattr__(name: str) -> Any:

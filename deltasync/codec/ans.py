@@ -21,9 +21,10 @@ import torch
 
 from ..changes import WORKERS, TensorChange
 from ..errors import FormatError
+from ..jit import compiled
 from ..slices import Box, held_indices
 from .rans import decode_integers, encode_integers
-from .varint import _apply_steps, _gaps_to_indices
+from .varint import _gaps_to_indices
 
 __all__ = ["decode_tensor", "encode_changes", "gap_raw_bits"]
 
@@ -36,29 +37,56 @@ def gap_raw_bits(gaps: np.ndarray) -> int:
     return max(0, min(40, int(np.log2(mean + 1.0)) - 2))
 
 
-def _encode_one(item: tuple[str, TensorChange]) -> list[tuple[str, np.ndarray]]:
-    name, change = item
+@compiled
+def _gaps_and_codes(indices, new_bits, old_bits, gaps, codes):  # pragma: no cover - compiled
+    """Index gaps, and zigzag(int16(new - old)) - 1 of each changed value (>= 0)."""
+    previous = -1
+    for i in range(indices.size):
+        gaps[i] = indices[i] - previous - 1
+        previous = indices[i]
+        step = np.int16(np.int64(new_bits[i]) - np.int64(old_bits[i]))  # wraps modulo 2**16
+        codes[i] = ((np.int64(step) << 1) ^ (np.int64(step) >> 15)) - 1
+
+
+@compiled
+def _apply_codes(codes, base, indices, previous, values):  # pragma: no cover - compiled
+    """previous = base[indices]; values = previous + unzigzag(codes + 1) modulo 2**16; False
+    when a code is out of range (a value step of 0 or past 16 bits)."""
+    for k in range(codes.size):
+        code = codes[k] + 1
+        if code >= 1 << 16:
+            return False
+        old = base[indices[k]]
+        previous[k] = old
+        values[k] = np.int16(np.int64(old) + ((code >> 1) ^ -(code & 1)))
+    return True
+
+
+def _streams(change: TensorChange) -> tuple[np.ndarray, np.ndarray]:
     indices = change.indices.numpy()
-    gaps = np.diff(indices, prepend=-1) - 1
-    step = (
-        change.values.view(torch.int16).numpy().astype(np.int32)
-        - change.previous.view(torch.int16).numpy()
-    ).astype(np.int16)  # wraps modulo 2**16
-    step = step.astype(np.int64)
-    codes = ((step << 1) ^ (step >> 15)) - 1
-    return [
-        (f"{name}.gaps", np.frombuffer(encode_integers(gaps, gap_raw_bits(gaps)), np.uint8)),
-        (f"{name}.vals", np.frombuffer(encode_integers(codes, 0), np.uint8)),
-    ]
+    gaps = np.empty(indices.size, np.int64)
+    codes = np.empty(indices.size, np.int64)
+    new_bits = change.values.view(torch.int16).numpy()
+    _gaps_and_codes(indices, new_bits, change.previous.view(torch.int16).numpy(), gaps, codes)
+    return gaps, codes
 
 
 def encode_changes(
     changes: dict[str, TensorChange], *, workers: int = WORKERS
 ) -> dict[str, torch.Tensor]:
-    """The U8 payload tensors of an `ans` delta, encoded in a small thread pool."""
+    """The U8 payload tensors of an `ans` delta; every stream is one task of a small thread
+    pool (the compiled coder releases the GIL), so a large tensor's two streams run at once."""
     with ThreadPoolExecutor(workers) as pool:
-        parts = pool.map(_encode_one, changes.items())
-        return {key: torch.from_numpy(arr.copy()) for pair in parts for key, arr in pair}
+        inputs = list(pool.map(_streams, changes.values()))
+        jobs = [
+            (f"{name}.{kind}", values, gap_raw_bits(values) if kind == "gaps" else 0)
+            for name, (gaps, codes) in zip(changes, inputs, strict=True)
+            for kind, values in (("gaps", gaps), ("vals", codes))
+        ]
+        streams = pool.map(lambda job: encode_integers(job[1], job[2]), jobs)
+        return {
+            key: torch.from_numpy(data) for (key, _, _), data in zip(jobs, streams, strict=True)
+        }
 
 
 def decode_tensor(
@@ -81,17 +109,14 @@ def decode_tensor(
         raise FormatError(f"indices run past the tensor's {numel} elements")
     indices, kept = held_indices(indices, offset=offset, box=box)
     codes = decode_integers(vals_blob.numpy(), count, "vals")
-    if count and int(codes.max()) >= (1 << 16) - 1:
-        raise FormatError("a value step is out of range")
-    codes += 1
     if kept is not None:
         codes = np.ascontiguousarray(codes[kept])
     indices = np.ascontiguousarray(indices)
     previous = np.empty(indices.size, np.int16)
     values = np.empty(indices.size, np.int16)
-    _apply_steps(
-        codes, base.detach().reshape(-1).view(torch.int16).numpy(), indices, previous, values
-    )
+    base_bits = base.detach().reshape(-1).view(torch.int16).numpy()
+    if not _apply_codes(codes, base_bits, indices, previous, values):
+        raise FormatError("a value step is out of range")
     return TensorChange(
         torch.from_numpy(indices),
         torch.from_numpy(values).view(torch.bfloat16),

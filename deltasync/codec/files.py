@@ -17,6 +17,7 @@ from ..changes import WORKERS, Diff, TensorChange
 from ..digest import tensor_digest
 from ..errors import FormatError
 from ..slices import Boxes
+from ..source import ModelSource
 from ..state_digest import StateDigest, total
 from ..state_hash import state_sums
 from . import ans, coo, packed
@@ -31,7 +32,7 @@ from .metadata import (
     validate_run_id,
 )
 
-__all__ = ["DecodedFile", "decode", "encode_anchor", "encode_delta"]
+__all__ = ["DecodedFile", "decode", "encode_anchor", "encode_delta", "encode_virtual_anchor"]
 
 _SUFFIXES = {
     "ans": (".gaps", ".vals"),
@@ -95,6 +96,37 @@ def encode_anchor(
     return safetensors.torch.save(contiguous, metadata=meta.to_strings())
 
 
+def encode_virtual_anchor(
+    tensors: Mapping[str, torch.Tensor],
+    source: ModelSource,
+    *,
+    run_id: str,
+    version: int,
+    digests: Mapping[str, str] | None = None,
+    state_digest: StateDigest | None = None,
+) -> bytes:
+    """An anchor that names `source` (whose bf16 view equals `tensors`, as the caller checked)
+    instead of carrying the weights: a safetensors header of metadata, no tensors. Readers load
+    the tensors from the source and verify them against these digests."""
+    validate_run_id(run_id)
+    if version < 1:
+        raise FormatError(f"versions count from 1, got {version}")
+    digests = digests or {n: tensor_digest(t) for n, t in tensors.items()}
+    state_digest = state_digest or total(state_sums(tensors))
+    entries = {n: TensorEntry(tuple(t.shape), digests[n], t.numel()) for n, t in tensors.items()}
+    meta = FileMetadata(
+        run_id,
+        version,
+        None,
+        "anchor",
+        "virtual",
+        entries,
+        state_digest=state_digest,
+        source=source,
+    )
+    return safetensors.torch.save({}, metadata=meta.to_strings())
+
+
 def encode_delta(
     diff: Diff,
     *,
@@ -102,7 +134,7 @@ def encode_delta(
     version: int,
     base_version: int,
     state_digest: StateDigest,
-    encoding: str = "packed",
+    encoding: str = "ans",
     part: PartInfo | None = None,
 ) -> bytes:
     """A sparse delta from `base_version` to `version`, with post-update digests of all tensors
@@ -177,6 +209,9 @@ def decode(
     try:
         if meta.kind == "anchor":
             _check_anchor_keys(meta, header.tensors)
+            if meta.source is not None:  # a virtual anchor: the tensors come from its source
+                shapes = {n: e.shape for n, e in meta.tensors.items()}
+                return DecodedFile(meta, tensors=dict(meta.source.tensors(shapes, boxes)))
             if boxes is not None:
                 return DecodedFile(meta, tensors=_load_boxes(parsed, boxes))
             return DecodedFile(meta, tensors=_load(data, path))
@@ -286,6 +321,10 @@ def _load_boxes(parsed: ParsedFile, boxes: Boxes) -> dict[str, torch.Tensor]:
 
 
 def _check_anchor_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> None:
+    if meta.source is not None:
+        if infos:
+            raise FormatError(f"a virtual anchor holds no tensors, found {len(infos)}")
+        return
     for name, info in infos.items():
         if info.dtype != "BF16":
             raise FormatError(f"anchor tensors must be BF16, found {info.dtype}", tensor=name)

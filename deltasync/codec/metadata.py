@@ -10,11 +10,13 @@ from typing import Literal
 
 from ..digest import DIGEST_ALGORITHM
 from ..errors import FormatError
+from ..source import ModelSource
 from ..state_digest import ALGORITHM as STATE_DIGEST_ALGORITHM
 from ..state_digest import StateDigest
 from .header import SafetensorsHeader, parse_header, parse_header_bytes
 
 __all__ = [
+    "ANCHOR_ENCODINGS",
     "ENCODINGS",
     "MAX_PARTS",
     "PROTOCOL",
@@ -32,11 +34,13 @@ __all__ = [
 
 PROTOCOL = "deltasync/4"  # bump on any change of the wire format (bucket_layout.md)
 # 1: before the full-state digest; 2: before sharded versions (part files); 3: before `ans`
+# deltas and virtual anchors
 READABLE_PROTOCOLS = ("deltasync/1", "deltasync/2", "deltasync/3", PROTOCOL)
 _PROTOCOL = re.compile(r"deltasync/([1-9][0-9]{0,5})")
 ENCODINGS = ("ans", "packed", "coo")  # delta encodings; anchors are "full"
 Kind = Literal["anchor", "delta"]
-Encoding = Literal["full", "coo", "packed", "ans"]
+Encoding = Literal["full", "virtual", "coo", "packed", "ans"]
+ANCHOR_ENCODINGS = ("full", "virtual")  # virtual: the weights are read from a named checkpoint
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEX128 = re.compile(r"[0-9a-f]{32}")
 _MAX_VERSION = 2**53
@@ -125,6 +129,7 @@ class FileMetadata:
     declared: tuple[int, int] | None = None  # TRL v1 delta: (total, changed) elements
     state_digest: StateDigest | None = None  # the whole state after this file; None: protocol 1
     part: PartInfo | None = None  # a part of a sharded version: its share of the state digest
+    source: ModelSource | None = None  # a virtual anchor's checkpoint
 
     @property
     def total_elements(self) -> int:
@@ -182,6 +187,10 @@ class FileMetadata:
             out |= {"format": "deltasync_packed", "packed": "leb128-gap+zigzag-bitdiff/zstd"}
         elif self.encoding == "ans":
             out |= {"format": "deltasync_ans", "ans": "rans14-gap+zigzag-bitdiff"}
+        elif self.encoding == "virtual":  # no loader may take it for a checkpoint: it holds none
+            if self.source is None:
+                raise ValueError("a virtual anchor names its model source")
+            out |= {"format": "deltasync_virtual", "source": self.source.to_json()}
         if self.part is not None:  # no loader may take one part for a whole checkpoint or patch
             rows = {n: list(r) for n, r in self.part.rows.items()}
             out |= {
@@ -213,7 +222,10 @@ class FileMetadata:
                 raise FormatError(f"unsupported state digest {algorithm!r}", path=path)
             state_digest = StateDigest.parse(meta.get("state_digest"), path=path)
         kind = _choice(meta, "kind", ("anchor", "delta"), path)
-        encoding = _choice(meta, "encoding", ("full",) if kind == "anchor" else ENCODINGS, path)
+        encodings = (
+            (ANCHOR_ENCODINGS if protocol >= 4 else ("full",)) if kind == "anchor" else ENCODINGS
+        )
+        encoding = _choice(meta, "encoding", encodings, path)
         version = _int(meta, "model_version", path, minimum=1)
         base = _int(meta, "base_version", path, minimum=0) if kind == "delta" else None
         if base is not None and base != version - 1:
@@ -229,8 +241,24 @@ class FileMetadata:
         sharded = protocol >= 3 and "part_index" in meta
         tensors = _tensor_entries(meta, path, digests_optional=sharded)
         part = _part_info(meta, tensors, path) if sharded else None
+        source = None
+        if encoding == "virtual":
+            if part is not None:
+                raise FormatError("a virtual anchor is never sharded", path=path)
+            try:
+                source = ModelSource.from_json(meta.get("source"))
+            except FormatError as exc:
+                raise FormatError(str(exc), path=path) from None
         return cls(
-            run_id, version, base, kind, encoding, tensors, state_digest=state_digest, part=part
+            run_id,
+            version,
+            base,
+            kind,
+            encoding,
+            tensors,
+            state_digest=state_digest,
+            part=part,
+            source=source,
         )
 
 

@@ -1,20 +1,24 @@
 """Integer streams under a static rANS coder: the entropy layer of the `ans` encoding.
 
-One stream codes a sequence of non-negative integers. Each integer is split into a symbol of a
-small alphabet, coded by rANS against a frequency table stored in the stream, and raw low bits:
-`raw_bits` low bits always (a Rice-style split for index gaps, whose low bits are close to
-uniform), then the integer above them as a symbol when below `DIRECT`, or an escape symbol
-naming its bit length followed by the bits under its top bit. So a stream costs the empirical
-entropy of its symbols plus the raw bits: index gaps reach the entropy of the index set, bf16
-value steps (80 % of them one step of the bit pattern) the entropy of their distribution.
+One stream codes a sequence of non-negative integers. Each integer is split into raw low bits
+(`raw_bits` of them, a Rice-style split: the low bits of a geometric gap are close to uniform)
+and the integer above them, which is coded by rANS as a symbol of a small alphabet against a
+frequency table stored in the stream: itself when below `DIRECT`, else an escape symbol naming
+its bit length, whose bits under the top bit follow the raw low bits. So a stream costs the
+empirical entropy of its symbols plus the raw bits: index gaps reach the entropy of the index
+set, bf16 value steps (80 % of them one step of the bit pattern) the entropy of their
+distribution.
 
-Layout (little-endian), see bucket_layout.md:
-    u8 raw_bits | LEB128 table size T | T x LEB128 frequency (summing to 2**PROB_BITS)
-    | LEB128 byte count of the raw-bit section | raw bits (LSB first) | rANS: u32 state, u16 words
+Layout (little-endian; bucket_layout.md):
+    u8 raw_bits | LEB128 table size T | T x LEB128 frequency (their sum is 2**PROB_BITS)
+    | LEB128 byte count R | R bytes of raw bits (LSB first)
+    | rANS: two u32 states (integer i is coded by state i % 2), then u16 words
 
-Decoding reads untrusted bytes: the table is checked (size, sum), every read is bounds-checked
-in the compiled loops, and a stream must end exactly where its coder began (final state and
-every byte consumed), so a truncated or altered stream is refused rather than misread.
+Both directions are single compiled passes. Decoding reads untrusted bytes: the header is
+parsed with bounds checks, the table must sum to 2**PROB_BITS, every read is bounds-checked in
+the loop, and a stream must end exactly where its coder began (initial state, every byte used),
+so a truncated, extended or reordered stream is refused rather than misread. Raw bits carry no
+redundancy: a flipped raw bit decodes to another integer, which the file's digests catch.
 """
 
 from __future__ import annotations
@@ -24,254 +28,332 @@ import numpy as np
 from ..errors import FormatError
 from ..jit import compiled
 
-__all__ = ["decode_integers", "encode_integers"]
+__all__ = ["ALPHABET", "PROB_BITS", "decode_integers", "encode_integers"]
 
 PROB_BITS = 14
 _M = 1 << PROB_BITS
-_L = 1 << 16  # rANS state lower bound; the state is 32 bits, renormalised by 16-bit words
+_L = 1 << 15  # rANS state in [2**15, 2**31), renormalised by 16-bit words: below 2**31,
+# the reciprocal division of the encoder (ryg_rans') is exact
 DIRECT = 32  # integers (above the raw bits) below this are their own symbol
-_MAX_BITS = 57  # bit length of the largest integer a stream can hold (< 2**57)
-ALPHABET = DIRECT + _MAX_BITS - 5  # escapes for bit lengths 6 .. _MAX_BITS
-_OK, _TRUNCATED, _BAD_SYMBOL, _TRAILING, _OVERFLOW = 0, 1, 2, 3, 4
+MAX_BITS = 57  # every integer of a stream is below 2**57
+MAX_RAW_BITS = 40
+ALPHABET = DIRECT + MAX_BITS - 5  # escapes for bit lengths 6 .. MAX_BITS
+_OK, _TRUNCATED, _TRAILING, _OVERFLOW, _BAD_HEADER, _BAD_TABLE = 0, 1, 2, 3, 4, 5
+_PROBLEMS = {
+    _TRUNCATED: "ends early",
+    _TRAILING: "does not end where its coder began (altered, reordered or trailing bytes)",
+    _OVERFLOW: "holds an integer too large",
+    _BAD_HEADER: "has a malformed header",
+    _BAD_TABLE: f"has a frequency table that does not sum to 2**{PROB_BITS}",
+}
 
 
 @compiled
-def _symbols(values, raw_bits, symbols, counts):  # pragma: no cover - compiled
-    """Symbol of each integer (above its raw bits), counted; returns the escape bits needed."""
+def _bit_length(v):  # pragma: no cover - compiled
+    n = 0
+    while v:
+        n += 1
+        v >>= np.uint64(1)
+    return n
+
+
+@compiled
+def _put_leb128(out, p, v):  # pragma: no cover - compiled
+    v = np.uint64(v)
+    while v >= 0x80:
+        out[p] = np.uint8((v & np.uint64(0x7F)) | np.uint64(0x80))
+        v >>= np.uint64(7)
+        p += 1
+    out[p] = np.uint8(v)
+    return p + 1
+
+
+@compiled
+def _quantize(counts, total, freq):  # pragma: no cover - compiled
+    """Frequencies summing to 2**PROB_BITS, every present symbol at least 1."""
+    acc = 0
+    for s in range(counts.size):
+        if counts[s]:
+            freq[s] = max(1, counts[s] * _M // total)
+            acc += freq[s]
+    excess = acc - _M
+    order = np.argsort(-freq)
+    if excess < 0:
+        freq[order[0]] -= excess
+    i = 0
+    while excess > 0:  # symbols bumped to 1: take the rounding error from the largest ones
+        s = order[i % order.size]
+        step = min(excess, freq[s] - 1)
+        if step > 0:
+            freq[s] -= step
+            excess -= step
+        i += 1
+
+
+@compiled
+def _put(x, s, x_max, rcp, rcp_shift, bias, cmpl, words, w):  # pragma: no cover - compiled
+    """One rANS encode step of symbol `s` on state `x`: (new state, next free word)."""
+    if x >= x_max[s]:
+        w -= 1
+        words[w] = np.uint16(x & np.uint64(0xFFFF))
+        x >>= np.uint64(16)
+    q = ((x * rcp[s]) >> np.uint64(32)) >> rcp_shift[s]
+    return x + bias[s] + q * cmpl[s], w
+
+
+@compiled
+def _encode_stream(values, raw_bits):  # pragma: no cover - compiled
+    """The stream of `values` (int64 in [0, 2**57)) as uint8."""
+    n = values.size
+    symbols = np.empty(n, np.int32)
+    lanes = np.zeros((4, ALPHABET), np.int64)  # four histograms: no chain through one counter
     extra = 0
-    for i in range(values.size):
+    for i in range(n):
         high = np.uint64(values[i]) >> np.uint64(raw_bits)
         if high < DIRECT:
             s = np.int32(high)
         else:
-            length = 0
-            v = high
-            while v:
-                length += 1
-                v >>= np.uint64(1)
+            length = _bit_length(high)
             s = np.int32(DIRECT + length - 6)
             extra += length - 1
         symbols[i] = s
-        counts[s] += 1
-    return extra
-
-
-@compiled
-def _write_raw(values, raw_bits, symbols, out):  # pragma: no cover - compiled
-    """Raw low bits and escape bits of every integer, LSB first; returns bytes written."""
+        lanes[i & 3, s] += 1
+    counts = lanes.sum(axis=0)
+    freq = np.zeros(ALPHABET, np.int64)
+    size = 0
+    if n:
+        _quantize(counts, n, freq)
+        for s in range(ALPHABET):
+            if freq[s]:
+                size = s + 1
+    raw_len = (n * raw_bits + extra + 7) // 8
+    out = np.empty(1 + 10 + 3 * size + 10 + raw_len + 2 * (n + 4), np.uint8)
+    out[0] = np.uint8(raw_bits)
+    p = _put_leb128(out, 1, size)
+    for s in range(size):
+        p = _put_leb128(out, p, freq[s])
+    p = _put_leb128(out, p, raw_len)
+    # raw bits: the low bits of every integer, then the escape bits under its top bit
     acc = np.uint64(0)
     filled = 0
-    p = 0
     low_mask = (np.uint64(1) << np.uint64(raw_bits)) - np.uint64(1)
-    for i in range(values.size):
+    for i in range(n):
         v = np.uint64(values[i])
-        for part in range(2):
-            if part == 0:
-                bits, field = raw_bits, v & low_mask
-            else:
-                s = symbols[i]
-                if s < DIRECT:
-                    break
-                bits = s - DIRECT + 5  # bit length - 1
-                field = (v >> np.uint64(raw_bits)) & (
-                    (np.uint64(1) << np.uint64(bits)) - np.uint64(1)
-                )
-            while bits > 0:
-                take = min(bits, 64 - filled, 32)
-                acc |= (field & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))) << np.uint64(
-                    filled
-                )
-                field >>= np.uint64(take)
-                bits -= take
-                filled += take
-                while filled >= 8:
-                    out[p] = np.uint8(acc & np.uint64(0xFF))
-                    acc >>= np.uint64(8)
-                    filled -= 8
-                    p += 1
+        acc |= (v & low_mask) << np.uint64(filled)
+        filled += raw_bits
+        while filled >= 8:
+            out[p] = np.uint8(acc & np.uint64(0xFF))
+            acc >>= np.uint64(8)
+            filled -= 8
+            p += 1
+        s = symbols[i]
+        if s >= DIRECT:
+            bits = s - DIRECT + 5
+            field = (v >> np.uint64(raw_bits)) & ((np.uint64(1) << np.uint64(bits)) - np.uint64(1))
+            acc |= field << np.uint64(filled)
+            filled += bits
+            while filled >= 8:
+                out[p] = np.uint8(acc & np.uint64(0xFF))
+                acc >>= np.uint64(8)
+                filled -= 8
+                p += 1
     if filled:
         out[p] = np.uint8(acc & np.uint64(0xFF))
         p += 1
-    return p
+    if n == 0:
+        return out[:p].copy()
+    # per symbol: x // freq as a multiply and shift (ryg_rans' reciprocal), and the bias that
+    # turns x into (x // freq) << PROB_BITS + x % freq + cum
+    rcp = np.zeros(ALPHABET, np.uint64)
+    rcp_shift = np.zeros(ALPHABET, np.uint64)
+    bias = np.zeros(ALPHABET, np.uint64)
+    x_max = np.zeros(ALPHABET, np.uint64)  # renormalise before coding when x reaches it
+    cmpl = np.zeros(ALPHABET, np.uint64)
+    start = 0
+    for s in range(ALPHABET):
+        f = freq[s]
+        x_max[s] = np.uint64(((_L >> PROB_BITS) << 16) * f)
+        cmpl[s] = np.uint64(_M - f)
+        if f == 1:
+            rcp[s] = np.uint64(0xFFFFFFFF)
+            bias[s] = np.uint64(start + _M - 1)
+        elif f > 1:
+            shift = 0
+            while (1 << shift) < f:
+                shift += 1
+            rcp[s] = np.uint64(((1 << (shift + 31)) + f - 1) // f)
+            rcp_shift[s] = np.uint64(shift - 1)
+            bias[s] = np.uint64(start)
+        start += f
+    words = np.empty(n + 4, np.uint16)
+    x0 = x1 = np.uint64(_L)  # two interleaved coders: integer i is coded by state i % 2
+    w = words.size
+    i = n - 1  # rANS codes in reverse, so that decoding runs forward
+    if n & 1:
+        x0, w = _put(x0, symbols[i], x_max, rcp, rcp_shift, bias, cmpl, words, w)
+        i -= 1
+    while i > 0:
+        x1, w = _put(x1, symbols[i], x_max, rcp, rcp_shift, bias, cmpl, words, w)
+        x0, w = _put(x0, symbols[i - 1], x_max, rcp, rcp_shift, bias, cmpl, words, w)
+        i -= 2
+    for x in (x1, x0):  # the decoder reads state 0, then state 1
+        w -= 1
+        words[w] = np.uint16(x >> np.uint64(16))
+        w -= 1
+        words[w] = np.uint16(x & np.uint64(0xFFFF))
+    for j in range(w, words.size):
+        word = words[j]
+        out[p] = np.uint8(word & 0xFF)
+        out[p + 1] = np.uint8(word >> 8)
+        p += 2
+    return out[:p].copy()
 
 
 @compiled
-def _rans_encode(symbols, freq, cum, out):  # pragma: no cover - compiled
-    """rANS over `symbols` (coded in reverse); `out` receives words from its end. Returns the
-    index of the first word written (the state's two words come first)."""
-    x = np.uint64(_L)
-    p = out.size
-    for i in range(symbols.size - 1, -1, -1):
-        s = symbols[i]
-        f = np.uint64(freq[s])
-        x_max = np.uint64((_L >> PROB_BITS) << 16) * f
-        if x >= x_max:
-            p -= 1
-            out[p] = np.uint16(x & np.uint64(0xFFFF))
-            x >>= np.uint64(16)
-        x = (x // f << np.uint64(PROB_BITS)) + x % f + np.uint64(cum[s])
-    p -= 1
-    out[p] = np.uint16(x >> np.uint64(16))
-    p -= 1
-    out[p] = np.uint16(x & np.uint64(0xFFFF))
-    return p
-
-
-@compiled
-def _take(raw, r, acc, filled, bits):  # pragma: no cover - compiled
-    """`bits` (<= 56) raw bits: (value, r, acc, filled), r = -1 when the section ends early."""
-    while filled < bits:
-        if r == raw.size:
-            return np.uint64(0), -1, acc, filled
-        acc |= np.uint64(raw[r]) << np.uint64(filled)
-        r += 1
-        filled += 8
-    value = acc & ((np.uint64(1) << np.uint64(bits)) - np.uint64(1))
-    return value, r, acc >> np.uint64(bits), filled - bits
-
-
-@compiled
-def _decode(words, raw, raw_bits, freq, cum, lut, count, out):  # pragma: no cover - compiled
-    """Integers from rANS `words` and `raw` bits; returns a status (`_OK` when consistent)."""
-    if words.size < 2:
-        return _TRUNCATED
-    x = np.uint64(words[0]) | (np.uint64(words[1]) << np.uint64(16))
-    w = 2
-    acc = np.uint64(0)
-    filled = 0
-    r = 0
-    mask = np.uint64(_M - 1)
-    for i in range(count):
-        slot = x & mask
-        s = lut[slot]
-        x = np.uint64(freq[s]) * (x >> np.uint64(PROB_BITS)) + slot - np.uint64(cum[s])
-        if x < _L:
-            if w == words.size:
-                return _TRUNCATED
-            x = (x << np.uint64(16)) | np.uint64(words[w])
-            w += 1
-        low, r, acc, filled = _take(raw, r, acc, filled, raw_bits)
-        if r < 0:
-            return _TRUNCATED
-        if s < DIRECT:
-            high = np.uint64(s)
-        else:
-            high_bits = s - DIRECT + 5  # the bit length less its top bit
-            if raw_bits + high_bits + 1 > _MAX_BITS:
-                return _OVERFLOW
-            bits, r, acc, filled = _take(raw, r, acc, filled, high_bits)
-            if r < 0:
-                return _TRUNCATED
-            high = (np.uint64(1) << np.uint64(high_bits)) | bits
-        out[i] = np.int64((high << np.uint64(raw_bits)) | low)
-    if x != _L or w != words.size or r != raw.size or acc != 0:
-        return _TRAILING
-    return _OK
-
-
-def _leb128(values: list[int]) -> bytes:
-    out = bytearray()
-    for v in values:
-        while v >= 0x80:
-            out.append((v & 0x7F) | 0x80)
-            v >>= 7
-        out.append(v)
-    return bytes(out)
-
-
-def _read_leb128(data: memoryview, p: int, what: str) -> tuple[int, int]:
-    value = shift = 0
+def _get_leb128(data, p):  # pragma: no cover - compiled
+    """(value, next position); position -1 when truncated or longer than 9 bytes."""
+    value = np.uint64(0)
+    shift = 0
     while True:
-        if p >= len(data) or shift > 63:
-            raise FormatError(f"{what}: truncated or overlong varint")
-        byte = data[p]
+        if p >= data.size or shift > 56:
+            return np.uint64(0), -1
+        byte = np.uint64(data[p])
         p += 1
-        value |= (byte & 0x7F) << shift
+        value |= (byte & np.uint64(0x7F)) << np.uint64(shift)
         if byte < 0x80:
             return value, p
         shift += 7
 
 
-def _quantize(counts: np.ndarray) -> np.ndarray:
-    """Frequencies summing to 2**PROB_BITS, every present symbol at least 1 (deterministic)."""
-    total = int(counts.sum())
-    freq = np.where(counts > 0, np.maximum(1, counts * _M // total), 0).astype(np.int64)
-    excess = int(freq.sum()) - _M
-    order = np.argsort(-freq, kind="stable")
-    i = 0
-    while excess != 0:  # move the rounding error onto the most frequent symbols
-        s = order[i % order.size]
-        if excess > 0 and freq[s] > 1:
-            step = min(excess, int(freq[s]) - 1)
-            freq[s] -= step
-            excess -= step
-        elif excess < 0:
-            freq[s] -= excess
-            excess = 0
-        i += 1
-    return freq
-
-
-def encode_integers(values: np.ndarray, raw_bits: int) -> bytes:
-    """One stream holding `values` (non-negative int64, each below 2**57, `raw_bits` <= 40)."""
-    values = np.ascontiguousarray(values, np.int64)
-    if not 0 <= raw_bits <= 40:
-        raise ValueError(f"raw_bits must lie in 0..40, got {raw_bits}")
-    if values.size and (int(values.min()) < 0 or int(values.max()) >> _MAX_BITS):
-        raise ValueError(f"integers must lie in [0, 2**{_MAX_BITS})")
-    symbols = np.empty(values.size, np.int32)
-    counts = np.zeros(ALPHABET, np.int64)
-    extra = _symbols(values, raw_bits, symbols, counts)
-    freq = _quantize(counts) if values.size else np.zeros(0, np.int64)
-    table = freq[: int(np.flatnonzero(freq)[-1]) + 1] if values.size else freq
-    cum = np.concatenate([[0], np.cumsum(freq)[:-1]]) if freq.size else freq
-    raw = np.empty((values.size * raw_bits + extra + 7) // 8, np.uint8)
-    raw_len = _write_raw(values, raw_bits, symbols, raw)
-    words = np.empty(values.size + 2, np.uint16)
-    first = _rans_encode(symbols, freq, cum, words) if values.size else words.size
-    head = bytes([raw_bits]) + _leb128([table.size, *table.tolist(), raw_len])
-    return head + raw[:raw_len].tobytes() + words[first:].tobytes()
-
-
-def decode_integers(data: bytes | np.ndarray, count: int, what: str) -> np.ndarray:
-    """The `count` integers of a stream `encode_integers` wrote (`FormatError` otherwise)."""
-    view = memoryview(np.ascontiguousarray(np.frombuffer(data, np.uint8)))
-    if count == 0:
-        if len(view) > 3:
-            raise FormatError(f"{what}: {len(view)} bytes for no integers")
-        return np.zeros(0, np.int64)
-    if not view:
-        raise FormatError(f"{what}: empty stream")
-    raw_bits = view[0]
-    if raw_bits > 40:
-        raise FormatError(f"{what}: {raw_bits} raw bits per integer, at most 40")
-    size, p = _read_leb128(view, 1, what)
-    if not 1 <= size <= ALPHABET:
-        raise FormatError(f"{what}: table of {size} symbols, expected 1..{ALPHABET}")
-    freq = np.zeros(ALPHABET, np.int64)
-    for s in range(size):
-        freq[s], p = _read_leb128(view, p, what)
-    if int(freq.sum()) != _M:
-        raise FormatError(f"{what}: frequencies sum to {int(freq.sum())}, not {_M}")
-    raw_len, p = _read_leb128(view, p, what)
-    if raw_len > len(view) - p or count * (raw_bits + _MAX_BITS) < 8 * (raw_len - 1):
-        raise FormatError(f"{what}: raw section of {raw_len} bytes does not fit")
-    raw = np.frombuffer(view, np.uint8, raw_len, p)
-    rest = len(view) - p - raw_len
-    if rest % 2 or rest // 2 > count + 2:
-        raise FormatError(f"{what}: rANS section of {rest} bytes for {count} integers")
-    words = (
-        np.frombuffer(view, np.uint16, rest // 2, p + raw_len) if rest else np.zeros(0, np.uint16)
+@compiled
+def _u32(data, p):  # pragma: no cover - compiled
+    return (
+        np.uint32(data[p])
+        | (np.uint32(data[p + 1]) << np.uint32(8))
+        | (np.uint32(data[p + 2]) << np.uint32(16))
+        | (np.uint32(data[p + 3]) << np.uint32(24))
     )
-    cum = np.concatenate([[0], np.cumsum(freq)[:-1]])
-    lut = np.repeat(np.arange(ALPHABET, dtype=np.int32), freq)
+
+
+@compiled
+def _take(x, data, w, freq, cum, lut):  # pragma: no cover - compiled
+    """One rANS decode step on state `x`: (new state, symbol, next word); word -1 past the end."""
+    slot = x & np.uint32(_M - 1)
+    s = lut[slot]
+    x = freq[s] * (x >> np.uint32(PROB_BITS)) + slot - cum[s]
+    if x < _L:
+        if w + 2 > data.size:
+            return x, s, -1
+        x = (x << np.uint32(16)) | np.uint32(data[w]) | (np.uint32(data[w + 1]) << np.uint32(8))
+        w += 2
+    return x, s, w
+
+
+@compiled
+def _decode_stream(data, count, out):  # pragma: no cover - compiled
+    """Decode `count` integers into `out`; returns a status (`_OK` when consistent)."""
+    if data.size < 1:
+        return _TRUNCATED
+    raw_bits = np.int64(data[0])
+    if raw_bits > MAX_RAW_BITS:
+        return _BAD_HEADER
+    size, p = _get_leb128(data, 1)
+    if p < 0 or size < 1 or size > ALPHABET:
+        return _BAD_HEADER
+    freq = np.zeros(ALPHABET, np.int64)
+    total = 0
+    for s in range(size):
+        f, p = _get_leb128(data, p)
+        if p < 0 or f > _M:
+            return _BAD_HEADER
+        freq[s] = np.int64(f)
+        total += freq[s]
+    if total != _M:
+        return _BAD_TABLE
+    raw_len, p = _get_leb128(data, p)
+    if p < 0 or raw_len > np.uint64(data.size - p):
+        return _BAD_HEADER
+    raw_end = p + np.int64(raw_len)
+    rest = data.size - raw_end
+    if rest % 2 or rest < 8 or rest // 2 > count + 4:
+        return _BAD_HEADER
+    freq32 = np.zeros(ALPHABET, np.uint32)
+    cum = np.zeros(ALPHABET, np.uint32)
+    lut = np.empty(_M, np.uint8)  # slot -> symbol: 16 KiB, in L1
+    start = 0
+    for s in range(ALPHABET):
+        freq32[s] = np.uint32(freq[s])
+        cum[s] = np.uint32(start)
+        lut[start : start + freq[s]] = s
+        start += freq[s]
+    freq = freq32
+    w = raw_end
+    x0 = _u32(data, w)
+    x1 = _u32(data, w + 4)
+    w += 8
+    r = p
+    acc = np.uint64(0)
+    filled = 0
+    for i in range(count):
+        if i & 1:
+            x1, s, w = _take(x1, data, w, freq, cum, lut)
+        else:
+            x0, s, w = _take(x0, data, w, freq, cum, lut)
+        if w < 0:
+            return _TRUNCATED
+        low = np.uint64(0)
+        if raw_bits:
+            while filled < raw_bits:
+                if r == raw_end:
+                    return _TRUNCATED
+                acc |= np.uint64(data[r]) << np.uint64(filled)
+                r += 1
+                filled += 8
+            low = acc & ((np.uint64(1) << np.uint64(raw_bits)) - np.uint64(1))
+            acc >>= np.uint64(raw_bits)
+            filled -= raw_bits
+        if s < DIRECT:
+            high = np.uint64(s)
+        else:
+            bits = s - DIRECT + 5  # the bit length less its top bit
+            if raw_bits + bits + 1 > MAX_BITS:
+                return _OVERFLOW
+            while filled < bits:
+                if r == raw_end:
+                    return _TRUNCATED
+                acc |= np.uint64(data[r]) << np.uint64(filled)
+                r += 1
+                filled += 8
+            high = (np.uint64(1) << np.uint64(bits)) | (
+                acc & ((np.uint64(1) << np.uint64(bits)) - np.uint64(1))
+            )
+            acc >>= np.uint64(bits)
+            filled -= bits
+        out[i] = np.int64((high << np.uint64(raw_bits)) | low)
+    if x0 != _L or x1 != _L or w != data.size or r != raw_end or acc != 0:
+        return _TRAILING
+    return _OK
+
+
+def encode_integers(values: np.ndarray, raw_bits: int) -> np.ndarray:
+    """One stream (uint8) holding `values`: int64 in [0, 2**57), `raw_bits` low bits raw."""
+    values = np.ascontiguousarray(values, np.int64)
+    if not 0 <= raw_bits <= MAX_RAW_BITS:
+        raise ValueError(f"raw_bits must lie in 0..{MAX_RAW_BITS}, got {raw_bits}")
+    if values.size and (int(values.min()) < 0 or int(values.max()) >> MAX_BITS):
+        raise ValueError(f"integers must lie in [0, 2**{MAX_BITS})")
+    return _encode_stream(values, raw_bits)
+
+
+def decode_integers(data: np.ndarray | bytes, count: int, what: str) -> np.ndarray:
+    """The `count` integers of a stream `encode_integers` wrote (`FormatError` otherwise)."""
+    data = np.ascontiguousarray(np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data)
+    if count == 0:  # an empty stream: the header alone
+        if data.size > 4 or (data.size and data[0] > MAX_RAW_BITS):
+            raise FormatError(f"{what}: {data.size} bytes for no integers")
+        return np.zeros(0, np.int64)
     out = np.empty(count, np.int64)
-    status = _decode(words, raw, raw_bits, freq, cum, lut, count, out)
+    status = _decode_stream(data, count, out)
     if status != _OK:
-        problem = {
-            _TRUNCATED: "ends early",
-            _TRAILING: "does not end where its coder began (altered or trailing bytes)",
-            _OVERFLOW: "holds an integer too large",
-        }.get(status, "is malformed")
-        raise FormatError(f"{what}: stream {problem}")
+        raise FormatError(f"{what}: the stream {_PROBLEMS[status]}")
     return out

@@ -284,7 +284,7 @@ def _health(manifest: Manifest) -> Health:
         run_id=manifest.run_id,
         latest_version=manifest.latest_version,
         latest_anchor=anchor.version,
-        replay_bytes=anchor.bytes + sum(d.bytes for d in after),
+        replay_bytes=anchor.fetch_bytes + sum(d.bytes for d in after),
         replay_files=len(anchor.files) + sum(len(d.files) for d in after),
         model_bytes=manifest.model_bytes,
         anchors=len(manifest.anchors),

@@ -63,7 +63,7 @@ def test_inspect_json(bucket, capsys):
     assert main(["inspect", str(delta), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["kind"] == "delta" and info["version"] == 9 and info["base_version"] == 8
-    assert info["encoding"] == "packed" and 0 < info["sparsity"] < 1
+    assert info["encoding"] == "ans" and 0 < info["sparsity"] < 1
     assert info["state_digest"] == full_state_digest(states[9]).hex()
 
 

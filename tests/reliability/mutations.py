@@ -312,7 +312,7 @@ def payload_edit(draw, blob: bytes) -> bytes:
         choice = draw(st.sampled_from(["zstd_random", "zstd_leb", "rans", "raw", "empty"]))
         if choice == "rans":  # a valid stream of other integers, or another count
             values = draw(st.lists(st.integers(0, 2**20) | st.integers(0, 40), max_size=40))
-            payload = encode_integers(np.array(values, np.int64), draw(st.integers(0, 6)))
+            payload = encode_integers(np.array(values, np.int64), draw(st.integers(0, 6))).tobytes()
         elif choice == "zstd_random":
             payload = zstandard.ZstdCompressor().compress(draw(st.binary(max_size=64)))
         elif choice == "zstd_leb":  # valid varints, wrong values or count
