@@ -28,6 +28,7 @@ from transformers import TrainerCallback
 
 from deltasync import AnchorPolicy, Publisher, PublisherConfig, open_store
 from deltasync.shards import ShardGroup
+from deltasync.source import resolve_source
 from deltasync.vllm_ext.client import ReplicaClient
 
 from . import defaults
@@ -125,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--anchor-interval", type=int, default=50, help="anchor every N versions")
     p.add_argument(
+        "--full-first-anchor",
+        action="store_true",
+        help="upload version 1 in full even when it equals the checkpoint the model came from "
+        "(default: a virtual anchor naming that checkpoint, which replicas load and verify)",
+    )
+    p.add_argument(
         "--anchor-fraction",
         type=float,
         default=0.5,
@@ -178,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 interval=args.anchor_interval, max_delta_fraction=args.anchor_fraction
             ),
             write_metrics=False,  # the transfer writes each record once, replicas and reward in
+            # version 1 names the checkpoint when the weights still equal it (no full upload)
+            source=None if sharded or args.full_first_anchor else resolve_source(model),
         ),
         shards=shards,
     )
