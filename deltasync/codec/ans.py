@@ -23,27 +23,25 @@ from ..changes import WORKERS, TensorChange
 from ..errors import FormatError
 from ..jit import compiled
 from ..slices import Box, held_indices
-from .rans import decode_integers, encode_integers
-from .varint import _gaps_to_indices
+from .rans import decode_gaps, decode_integers, encode_gaps, encode_integers
 
 __all__ = ["decode_tensor", "encode_changes", "gap_raw_bits"]
 
 
-def gap_raw_bits(gaps: np.ndarray) -> int:
-    """Raw low bits for gaps: `2**bits` near a quarter of the mean gap (0 for dense tensors)."""
-    if gaps.size == 0:
+def gap_raw_bits(indices: np.ndarray) -> int:
+    """Raw low bits for the gaps of ascending `indices`: `2**bits` near a quarter of the mean
+    gap (0 for dense tensors)."""
+    if indices.size == 0:
         return 0
-    mean = float(gaps.mean())
+    mean = (int(indices[-1]) + 1) / indices.size - 1  # the gaps' sum is indices[-1] + 1 - size
     return max(0, min(40, int(np.log2(mean + 1.0)) - 2))
 
 
 @compiled
-def _gaps_and_codes(indices, new_bits, old_bits, gaps, codes):  # pragma: no cover - compiled
-    """Index gaps, and zigzag(int16(new - old)) - 1 of each changed value (>= 0)."""
-    previous = -1
-    for i in range(indices.size):
-        gaps[i] = indices[i] - previous - 1
-        previous = indices[i]
+def _step_codes(new_bits, old_bits, codes):  # pragma: no cover - compiled
+    """zigzag(int16(new - old)) - 1 of each changed value (never negative: a changed value
+    differs from its base)."""
+    for i in range(new_bits.size):
         step = np.int16(np.int64(new_bits[i]) - np.int64(old_bits[i]))  # wraps modulo 2**16
         codes[i] = ((np.int64(step) << 1) ^ (np.int64(step) >> 15)) - 1
 
@@ -62,13 +60,18 @@ def _apply_codes(codes, base, indices, previous, values):  # pragma: no cover - 
     return True
 
 
-def _streams(change: TensorChange) -> tuple[np.ndarray, np.ndarray]:
+def _codes(change: TensorChange) -> np.ndarray:
+    codes = np.empty(change.values.numel(), np.uint16)
+    new_bits, old_bits = (t.view(torch.int16).numpy() for t in (change.values, change.previous))
+    _step_codes(new_bits, old_bits, codes)
+    return codes
+
+
+def _encode_stream(change: TensorChange, kind: str) -> np.ndarray:
+    if kind == "vals":
+        return encode_integers(_codes(change), 0)
     indices = change.indices.numpy()
-    gaps = np.empty(indices.size, np.int64)
-    codes = np.empty(indices.size, np.int64)
-    new_bits = change.values.view(torch.int16).numpy()
-    _gaps_and_codes(indices, new_bits, change.previous.view(torch.int16).numpy(), gaps, codes)
-    return gaps, codes
+    return encode_gaps(indices, gap_raw_bits(indices))
 
 
 def encode_changes(
@@ -76,16 +79,12 @@ def encode_changes(
 ) -> dict[str, torch.Tensor]:
     """The U8 payload tensors of an `ans` delta; every stream is one task of a small thread
     pool (the compiled coder releases the GIL), so a large tensor's two streams run at once."""
+    jobs = [(name, kind) for name in changes for kind in ("gaps", "vals")]
     with ThreadPoolExecutor(workers) as pool:
-        inputs = list(pool.map(_streams, changes.values()))
-        jobs = [
-            (f"{name}.{kind}", values, gap_raw_bits(values) if kind == "gaps" else 0)
-            for name, (gaps, codes) in zip(changes, inputs, strict=True)
-            for kind, values in (("gaps", gaps), ("vals", codes))
-        ]
-        streams = pool.map(lambda job: encode_integers(job[1], job[2]), jobs)
+        streams = pool.map(lambda job: _encode_stream(changes[job[0]], job[1]), jobs)
         return {
-            key: torch.from_numpy(data) for (key, _, _), data in zip(jobs, streams, strict=True)
+            f"{name}.{kind}": torch.from_numpy(data)
+            for (name, kind), data in zip(jobs, streams, strict=True)
         }
 
 
@@ -104,9 +103,7 @@ def decode_tensor(
     `offset` on, or a tensor-parallel worker's box of the tensor.
     """
     numel = box.shape_numel if box is not None else offset + base.numel()
-    indices = decode_integers(gaps_blob.numpy(), count, "gaps")
-    if not _gaps_to_indices(indices, numel):  # each gap < 2**57: no overflow
-        raise FormatError(f"indices run past the tensor's {numel} elements")
+    indices = decode_gaps(gaps_blob.numpy(), count, numel, "gaps")
     indices, kept = held_indices(indices, offset=offset, box=box)
     codes = decode_integers(vals_blob.numpy(), count, "vals")
     if kept is not None:

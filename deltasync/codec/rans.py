@@ -28,7 +28,14 @@ import numpy as np
 from ..errors import FormatError
 from ..jit import compiled
 
-__all__ = ["ALPHABET", "PROB_BITS", "decode_integers", "encode_integers"]
+__all__ = [
+    "ALPHABET",
+    "PROB_BITS",
+    "decode_gaps",
+    "decode_integers",
+    "encode_gaps",
+    "encode_integers",
+]
 
 PROB_BITS = 14
 _M = 1 << PROB_BITS
@@ -38,13 +45,14 @@ DIRECT = 32  # integers (above the raw bits) below this are their own symbol
 MAX_BITS = 57  # every integer of a stream is below 2**57
 MAX_RAW_BITS = 40
 ALPHABET = DIRECT + MAX_BITS - 5  # escapes for bit lengths 6 .. MAX_BITS
-_OK, _TRUNCATED, _TRAILING, _OVERFLOW, _BAD_HEADER, _BAD_TABLE = 0, 1, 2, 3, 4, 5
+_OK, _TRUNCATED, _TRAILING, _OVERFLOW, _BAD_HEADER, _BAD_TABLE, _PAST_END = range(7)
 _PROBLEMS = {
     _TRUNCATED: "ends early",
     _TRAILING: "does not end where its coder began (altered, reordered or trailing bytes)",
     _OVERFLOW: "holds an integer too large",
     _BAD_HEADER: "has a malformed header",
     _BAD_TABLE: f"has a frequency table that does not sum to 2**{PROB_BITS}",
+    _PAST_END: "leads past the tensor's last element",
 }
 
 
@@ -102,19 +110,32 @@ def _put(x, s, x_max, rcp, rcp_shift, bias, cmpl, words, w):  # pragma: no cover
 
 
 @compiled
-def _encode_stream(values, raw_bits):  # pragma: no cover - compiled
-    """The stream of `values` (int64 in [0, 2**57)) as uint8."""
+def _value(values, i, gaps):  # pragma: no cover - compiled
+    """Integer i of the stream: values[i], or with `gaps` the gap before values[i] (a negative
+    one wraps to 2**64 - k, which the encoder refuses)."""
+    if gaps:
+        return np.uint64(np.int64(values[i]) - (np.int64(values[i - 1]) if i else -1) - 1)
+    return np.uint64(values[i])
+
+
+@compiled
+def _encode_stream(values, raw_bits, gaps):  # pragma: no cover - compiled
+    """The stream of `values` (integers in [0, 2**57); with `gaps`, of the gaps between
+    ascending `values`) as uint8; empty when an integer is out of range."""
     n = values.size
-    symbols = np.empty(n, np.int32)
+    symbols = np.empty(n, np.uint8)
     lanes = np.zeros((4, ALPHABET), np.int64)  # four histograms: no chain through one counter
     extra = 0
     for i in range(n):
-        high = np.uint64(values[i]) >> np.uint64(raw_bits)
+        v = _value(values, i, gaps)
+        if v >> np.uint64(MAX_BITS):
+            return np.empty(0, np.uint8)
+        high = v >> np.uint64(raw_bits)
         if high < DIRECT:
-            s = np.int32(high)
+            s = np.uint8(high)
         else:
             length = _bit_length(high)
-            s = np.int32(DIRECT + length - 6)
+            s = np.uint8(DIRECT + length - 6)
             extra += length - 1
         symbols[i] = s
         lanes[i & 3, s] += 1
@@ -138,7 +159,7 @@ def _encode_stream(values, raw_bits):  # pragma: no cover - compiled
     filled = 0
     low_mask = (np.uint64(1) << np.uint64(raw_bits)) - np.uint64(1)
     for i in range(n):
-        v = np.uint64(values[i])
+        v = _value(values, i, gaps)
         acc |= (v & low_mask) << np.uint64(filled)
         filled += raw_bits
         while filled >= 8:
@@ -161,7 +182,7 @@ def _encode_stream(values, raw_bits):  # pragma: no cover - compiled
         out[p] = np.uint8(acc & np.uint64(0xFF))
         p += 1
     if n == 0:
-        return out[:p].copy()
+        return out[:p]
     # per symbol: x // freq as a multiply and shift (ryg_rans' reciprocal), and the bias that
     # turns x into (x // freq) << PROB_BITS + x % freq + cum
     rcp = np.zeros(ALPHABET, np.uint64)
@@ -206,7 +227,7 @@ def _encode_stream(values, raw_bits):  # pragma: no cover - compiled
         out[p] = np.uint8(word & 0xFF)
         out[p + 1] = np.uint8(word >> 8)
         p += 2
-    return out[:p].copy()
+    return out[:p]
 
 
 @compiled
@@ -250,8 +271,9 @@ def _take(x, data, w, freq, cum, lut):  # pragma: no cover - compiled
 
 
 @compiled
-def _decode_stream(data, count, out):  # pragma: no cover - compiled
-    """Decode `count` integers into `out`; returns a status (`_OK` when consistent)."""
+def _decode_stream(data, count, out, limit):  # pragma: no cover - compiled
+    """Decode `count` integers into `out`; with `limit` > 0 they are gaps, and `out` receives
+    the ascending positions they lead to, each below `limit`. Returns a status."""
     if data.size < 1:
         return _TRUNCATED
     raw_bits = np.int64(data[0])
@@ -294,6 +316,7 @@ def _decode_stream(data, count, out):  # pragma: no cover - compiled
     r = p
     acc = np.uint64(0)
     filled = 0
+    position = np.int64(-1)
     for i in range(count):
         if i & 1:
             x1, s, w = _take(x1, data, w, freq, cum, lut)
@@ -329,31 +352,70 @@ def _decode_stream(data, count, out):  # pragma: no cover - compiled
             )
             acc >>= np.uint64(bits)
             filled -= bits
-        out[i] = np.int64((high << np.uint64(raw_bits)) | low)
+        value = np.int64((high << np.uint64(raw_bits)) | low)
+        if limit > 0:
+            position += value + 1  # each gap < 2**57 and position < limit: no overflow
+            if position >= limit:
+                return _PAST_END
+            value = position
+        out[i] = value
     if x0 != _L or x1 != _L or w != data.size or r != raw_end or acc != 0:
         return _TRAILING
     return _OK
 
 
-def encode_integers(values: np.ndarray, raw_bits: int) -> np.ndarray:
-    """One stream (uint8) holding `values`: int64 in [0, 2**57), `raw_bits` low bits raw."""
-    values = np.ascontiguousarray(values, np.int64)
+def _checked_raw_bits(raw_bits: int) -> int:
     if not 0 <= raw_bits <= MAX_RAW_BITS:
         raise ValueError(f"raw_bits must lie in 0..{MAX_RAW_BITS}, got {raw_bits}")
-    if values.size and (int(values.min()) < 0 or int(values.max()) >> MAX_BITS):
+    return raw_bits
+
+
+def _int_array(values: np.ndarray) -> np.ndarray:
+    values = np.ascontiguousarray(values)
+    if values.dtype.kind not in "iu" or values.dtype.itemsize > 8 or values.dtype == np.uint64:
+        values = values.astype(np.int64)
+    return values
+
+
+def encode_integers(values: np.ndarray, raw_bits: int) -> np.ndarray:
+    """One stream (uint8) holding `values` (integers in [0, 2**57)), `raw_bits` low bits raw."""
+    stream = _encode_stream(_int_array(values), _checked_raw_bits(raw_bits), False)
+    if not stream.size:
         raise ValueError(f"integers must lie in [0, 2**{MAX_BITS})")
-    return _encode_stream(values, raw_bits)
+    return stream
 
 
-def decode_integers(data: np.ndarray | bytes, count: int, what: str) -> np.ndarray:
-    """The `count` integers of a stream `encode_integers` wrote (`FormatError` otherwise)."""
+def encode_gaps(indices: np.ndarray, raw_bits: int) -> np.ndarray:
+    """The stream of the gaps `index[i] - index[i-1] - 1` (index[-1] = -1) of strictly ascending
+    non-negative `indices`, computed in the coder's own pass."""
+    stream = _encode_stream(_int_array(indices), _checked_raw_bits(raw_bits), True)
+    if not stream.size:
+        raise ValueError("indices must be strictly ascending, from 0, below 2**57")
+    return stream
+
+
+def _decode(data: np.ndarray | bytes, count: int, what: str, limit: int) -> np.ndarray:
     data = np.ascontiguousarray(np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data)
     if count == 0:  # an empty stream: the header alone
         if data.size > 4 or (data.size and data[0] > MAX_RAW_BITS):
             raise FormatError(f"{what}: {data.size} bytes for no integers")
         return np.zeros(0, np.int64)
     out = np.empty(count, np.int64)
-    status = _decode_stream(data, count, out)
+    status = _decode_stream(data, count, out, limit)
     if status != _OK:
         raise FormatError(f"{what}: the stream {_PROBLEMS[status]}")
     return out
+
+
+def decode_integers(data: np.ndarray | bytes, count: int, what: str) -> np.ndarray:
+    """The `count` integers of a stream `encode_integers` wrote (`FormatError` otherwise)."""
+    return _decode(data, count, what, 0)
+
+
+def decode_gaps(data: np.ndarray | bytes, count: int, numel: int, what: str) -> np.ndarray:
+    """The `count` ascending indices, each below `numel`, of a stream `encode_gaps` wrote."""
+    if numel < 1:
+        if count:
+            raise FormatError(f"{what}: {count} indices into an empty tensor")
+        numel = 1
+    return _decode(data, count, what, numel)

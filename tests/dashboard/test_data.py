@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from deltasync.errors import StoreError
-from deltasync.manifest import MANIFEST_PATH, metrics_path
+from deltasync.manifest import MANIFEST_PATH, Manifest, metrics_path
 from deltasync.metrics import ReplicaOutcome, SyncRecord
 from deltasync.store import LocalStore
 from spaces.dashboard import charts
@@ -315,3 +316,35 @@ def test_sharded_versions_are_read_part_by_part(tmp_path):
     assert rows[4]["sparsity"] == pytest.approx(1 - changed / total, abs=1e-6)
     assert all(row[-1] == "ok" for row in files_table(snap))  # every part's header checked
     assert all(file.header is not None for file in snap.files)
+
+
+def test_a_virtual_first_anchor_costs_the_model_bytes_to_replay(tmp_path):
+    """Version 1 names a checkpoint folder: its file is a header, but a new replica reads the
+    whole model from that checkpoint, and the health line says so."""
+    import safetensors.torch
+
+    from deltasync import Publisher, PublisherConfig
+    from deltasync.snapshot import Bf16Snapshot
+    from deltasync.source import ModelSource
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    safetensors.torch.save_file(
+        dict(Bf16Snapshot.capture(model).tensors), folder / "model.safetensors"
+    )
+    store = LocalStore(tmp_path / "bucket")
+    source = ModelSource("folder", str(folder))
+    with Publisher(store, PublisherConfig(run_id="run-v", source=source)) as publisher:
+        publisher.publish(model).result(timeout=60)
+        with torch.no_grad():
+            model.weight[0, :5] += 1.0
+        publisher.publish(model).result(timeout=60)
+    snap = watch(store).snapshot()
+    (anchor,) = Manifest.from_json(store.get(MANIFEST_PATH)).anchors
+    assert anchor.encoding == "virtual" and anchor.bytes < 4000
+    model_bytes = 2 * sum(p.numel() for p in model.parameters())
+    delta = Manifest.from_json(store.get(MANIFEST_PATH)).deltas[0]
+    assert snap.health.replay_bytes == model_bytes + delta.bytes
+    assert {row[-1] for row in files_table(snap)} == {"ok"}

@@ -109,6 +109,11 @@ def test_missing_or_malformed_sources_are_clear_errors(tmp_path, checkpoint):
         with pytest.raises(FormatError):
             ModelSource.from_json(text)
     assert resolve_source("not a repo id!") is None
+    carrying = safetensors.torch.save(
+        {"x": torch.zeros(2, dtype=torch.bfloat16)}, metadata=ParsedFile.parse(data).header.metadata
+    )
+    with pytest.raises(FormatError, match="holds no tensors"):
+        decode(carrying)
 
 
 def test_a_virtual_anchor_carries_no_tensors_and_names_its_source(checkpoint):
