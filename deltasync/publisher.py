@@ -173,7 +173,10 @@ class Publisher:
                 if isinstance(self._snapshot, Bf16Snapshot):  # resumed from the bucket
                     self._snapshot = self._detector(self._snapshot, source)
                 pending = [j.diff for j in self._pending if j.diff]
-                diff = self._snapshot.diff(source, pending, digests=False)  # hashed by the worker
+                # the host scan hashes each tensor while its bytes are hot; the device mode copies
+                # only changes to the host, so the worker hashes its mirror instead
+                inline = self.shards is None and isinstance(self._snapshot, Bf16Snapshot)
+                diff = self._snapshot.diff(source, pending, digests=inline)
             version = (self.committed_version or 0) + len(self._pending) + 1
             job = _Job(version, diff, Future(), time.perf_counter() - started, time.time())
             self._pending.append(job)
@@ -306,7 +309,7 @@ class Publisher:
         else:  # the worker runs versions in order, so `_sums` is the base's
             sums = apply_changes(self._sums, job.diff.changes)
         state_digest = total(sums)
-        if job.diff is not None:
+        if job.diff is not None and not job.diff.digests:  # the device mode's diffs
             job.diff = replace(job.diff, digests=digests_after(snapshot.tensors, job.diff))
         digest_s = time.perf_counter() - t0
         if job.diff is not None:
