@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .changes import Diff, TensorChange, scatter
+from .changes import Diff, TensorChange
 from .errors import FormatError
-from .snapshot import Bf16Snapshot, NamedTensors, digests_after, named_tensors
+from .snapshot import Bf16Snapshot, NamedTensors, digests_after, named_tensors, state_after
 
 __all__ = ["DeviceSnapshot", "detection_device"]
 
@@ -97,9 +97,9 @@ class DeviceSnapshot:
         diff = Diff(changes, {}, shapes)
         if not digests:
             return diff
-        base = self.host.tensors  # the committed state: fold the pending versions in first
+        base: Mapping[str, torch.Tensor] = self.host.tensors  # committed: fold the pending in
         for earlier in pending:
-            base = _patched(base, earlier)
+            base = state_after(base, earlier)
         return Diff(changes, digests_after(base, diff), shapes)
 
     def advance(self, diff: Diff) -> None:
@@ -128,12 +128,3 @@ def _changed_on_device(reference: torch.Tensor, tensor: torch.Tensor) -> TensorC
     return TensorChange(
         indices.to("cpu"), values.to("cpu", copy=True), previous.to("cpu", copy=True)
     )
-
-
-def _patched(tensors: Mapping[str, torch.Tensor], diff: Diff) -> dict[str, torch.Tensor]:
-    """`tensors` with `diff` applied, copying only the tensors it touches."""
-    out = dict(tensors)
-    for name, change in diff.changes.items():
-        out[name] = out[name].clone()
-        scatter(out[name], change.indices, change.values)
-    return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .changes import Diff, scatter
+from .changes import Diff
 from .codec import encode_anchor, encode_delta, encode_virtual_anchor
 from .codec.metadata import check_tiling, validate_run_id
 from .device_snapshot import DeviceSnapshot, detection_device
@@ -38,7 +38,7 @@ from .shards import (
     replay_rows,
     to_global,
 )
-from .snapshot import Bf16Snapshot, NamedTensors, digests_after
+from .snapshot import Bf16Snapshot, NamedTensors, digests_after, state_after
 from .source import ModelSource
 from .state_digest import StateDigest, total
 from .state_hash import apply_changes, state_sums
@@ -305,7 +305,7 @@ class Publisher:
         delta_entry = anchor_entry = None
         t0 = time.perf_counter()
         if job.diff is None or self._sums is None:  # the first version: a full pass, once
-            sums = state_sums(_state_after(snapshot, job.diff))
+            sums = state_sums(state_after(snapshot.tensors, job.diff))
         else:  # the worker runs versions in order, so `_sums` is the base's
             sums = apply_changes(self._sums, job.diff.changes)
         state_digest = total(sums)
@@ -330,7 +330,7 @@ class Publisher:
             entries.append(delta_entry)
         if job.diff is None or cfg.policy.wants_anchor(self._manifest, job.version):
             t0 = time.perf_counter()
-            state = _state_after(snapshot, job.diff)
+            state = state_after(snapshot.tensors, job.diff)
             digests = None if job.diff is None else job.diff.digests
             virtual = self._manifest is None and job.diff is None and self._matches_source(state)
             if virtual:
@@ -506,7 +506,7 @@ class Publisher:
         t0 = time.perf_counter()
         diff = None if job.diff is None else to_global(job.diff, layout)
         if diff is None or self._sums is None:  # the first version: a full pass, once
-            sums = block_sums(_state_after(snapshot, job.diff), layout)
+            sums = block_sums(state_after(snapshot.tensors, job.diff), layout)
         else:
             sums = apply_changes(self._sums, diff.changes)
         digest = total(sums)
@@ -529,7 +529,7 @@ class Publisher:
         if job.diff is None or cfg.policy.wants_anchor(self._manifest, job.version):
             t0 = time.perf_counter()
             data = encode_anchor(
-                _state_after(snapshot, job.diff),
+                state_after(snapshot.tensors, job.diff),
                 run_id=cfg.run_id,
                 version=job.version,
                 state_digest=digest,
@@ -637,15 +637,3 @@ def _sharded_entry(
         digest.hex(),
         tuple(parts),  # type: ignore[arg-type]
     )
-
-
-def _state_after(
-    snapshot: Bf16Snapshot | DeviceSnapshot, diff: Diff | None
-) -> dict[str, torch.Tensor]:
-    """The full bf16 state once `diff` is applied, copying only the tensors it touches."""
-    state = dict(snapshot.tensors)
-    for name, change in (diff.changes if diff else {}).items():
-        patched = state[name].clone()
-        scatter(patched, change.indices, change.values)
-        state[name] = patched
-    return state

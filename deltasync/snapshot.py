@@ -14,7 +14,14 @@ from .changes import bits as _bits
 from .digest import tensor_digest
 from .errors import FormatError
 
-__all__ = ["Bf16Snapshot", "NamedTensors", "bf16_view", "digests_after", "named_tensors"]
+__all__ = [
+    "Bf16Snapshot",
+    "NamedTensors",
+    "bf16_view",
+    "digests_after",
+    "named_tensors",
+    "state_after",
+]
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module
 
@@ -100,6 +107,17 @@ def _fold(pending: Sequence[Diff]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         last = np.append(idx[1:] != idx[:-1], True)
         folded[name] = (idx[last], bits[last])
     return folded
+
+
+def state_after(tensors: Mapping[str, torch.Tensor], diff: Diff | None) -> dict[str, torch.Tensor]:
+    """The full bf16 state once `diff` is applied to `tensors`, copying only the tensors it
+    touches."""
+    state = dict(tensors)
+    for name, change in (diff.changes if diff else {}).items():
+        patched = state[name].clone()
+        scatter(patched, change.indices, change.values)
+        state[name] = patched
+    return state
 
 
 def digests_after(tensors: Mapping[str, torch.Tensor], diff: Diff) -> dict[str, str]:

@@ -50,8 +50,8 @@ class ModelSource:
         elif self.kind == "folder":
             if (
                 not self.location.startswith("/")
+                or "\0" in self.location
                 or self.revision is not None
-                or "\0" in (self.location)
             ):
                 raise FormatError(f"a folder source needs an absolute path, got {self.location!r}")
         else:
