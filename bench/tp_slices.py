@@ -34,8 +34,8 @@ class CountingStore(LocalStore):
 
     read = 0
 
-    def get(self, path: str) -> bytes:
-        data = super().get(path)
+    def get(self, path: str, *, limit: int | None = None) -> bytes:
+        data = super().get(path, limit=limit)
         self.read += len(data)
         return data
 

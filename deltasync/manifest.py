@@ -11,7 +11,7 @@ from .codec.metadata import MAX_PARTS, PROTOCOL, ParsedFile, check_protocol, val
 from .digest import bytes_digest
 from .errors import ChainError, FormatError, StoreError
 from .state_digest import StateDigest
-from .store import MissingFile, Store, validate_path
+from .store import MissingFile, RefusedObject, Store, validate_path
 
 __all__ = [
     "MANIFEST_PATH",
@@ -24,6 +24,7 @@ __all__ = [
     "file_path",
     "metrics_path",
     "read_manifest",
+    "read_manifest_bytes",
 ]
 
 MANIFEST_PATH = "manifest.json"
@@ -370,16 +371,24 @@ def read_manifest(store: Store) -> Manifest | None:
 
     Its size is checked before it is downloaded, so an oversized object is never held in memory.
     """
+    data = read_manifest_bytes(store)
+    return None if data is None else Manifest.from_json(data)
+
+
+def read_manifest_bytes(store: Store) -> bytes | None:
+    """The manifest's bytes (None for an empty bucket), never more than `MAX_MANIFEST_BYTES`
+    read: its size is checked first, and the read stops past the limit even when the object
+    grew (or lied about its size) in between."""
     try:
         size = store.size(MANIFEST_PATH)
+        if size > MAX_MANIFEST_BYTES:
+            raise FormatError(
+                f"manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}; not downloaded",
+                path=MANIFEST_PATH,
+            )
+        return store.get(MANIFEST_PATH, limit=MAX_MANIFEST_BYTES)
     except MissingFile:
         return None
-    if size > MAX_MANIFEST_BYTES:
-        raise FormatError(
-            f"manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}; not downloaded",
-            path=MANIFEST_PATH,
-        )
-    return Manifest.from_json(store.get(MANIFEST_PATH))
 
 
 def fetch_entry(store: Store, entry: ChainEntry) -> FileData:
@@ -392,7 +401,10 @@ def fetch_entry(store: Store, entry: ChainEntry) -> FileData:
 
 def fetch_file(store: Store, file: PartRef) -> bytes:
     """One stored file of a version (a whole file or one part), checked as `fetch_entry` does."""
-    data = store.get(file.path)
+    try:  # never reads past the declared size (+1)
+        data = store.get(file.path, limit=file.bytes)
+    except RefusedObject as exc:
+        raise FormatError(f"file does not match the manifest: {exc}", path=file.path) from None
     if len(data) != file.bytes or bytes_digest(data) != file.digest:
         raise FormatError(
             f"file does not match the manifest ({len(data)} bytes, expected "

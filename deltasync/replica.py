@@ -122,14 +122,16 @@ class Sink(Protocol):
 
 
 class DictSink:
-    """CPU bf16 tensors in a dict; an update swaps in the verified post-update tensors.
+    """CPU bf16 tensors in a dict; an anchor replaces them, a delta is written in place in
+    O(changed) at commit (the replica verified it before: no post-update copies, no second
+    copy of the model at a dense step). Callers that keep tensors across updates copy them.
 
     Args:
         slicer: the boxes to hold for a model of given shapes (a stand-in tensor-parallel
             worker); default: whole tensors.
     """
 
-    keeps_tensors = True
+    keeps_tensors = False
 
     def __init__(self, slicer: Callable[[Shapes], Boxes] | None = None) -> None:
         self.state: dict[str, torch.Tensor] = {}
@@ -151,7 +153,11 @@ class DictSink:
         return None
 
     def commit(self, files: Sequence[StagedFile], prepared: None) -> None:
-        self.state = next_state(self.state, files)
+        try:
+            self.state = _written_in_place(self.state, files)
+        except BaseException:  # a half-written state is no version: hold nothing known
+            self.state, self.held_boxes = {}, None
+            raise
         anchors = [f.meta for f in files if f.meta.kind == "anchor"]
         if anchors:
             self.held_boxes = self.boxes({n: e.shape for n, e in anchors[-1].tensors.items()})
@@ -169,6 +175,22 @@ def next_state(
     out = dict(state)
     for file in files:
         out = dict(file.decoded.tensors) if file.meta.kind == "anchor" else out | dict(file.after)
+    return out
+
+
+def _written_in_place(
+    state: Mapping[str, torch.Tensor], files: Sequence[StagedFile]
+) -> dict[str, torch.Tensor]:
+    """The tensors after `files`: an anchor's decoded tensors replace the state, a delta's
+    changes are scattered into the held tensors (one tensor per task of a small pool)."""
+    out = dict(state)
+    with ThreadPoolExecutor(WORKERS) as pool:  # numpy's scatter releases the GIL
+        for file in files:
+            if file.meta.kind == "anchor":
+                out = dict(file.decoded.tensors)
+                continue
+            writes = [(out[n], c.indices, c.values) for n, c in file.decoded.changes.items()]
+            list(pool.map(lambda write: scatter(*write), writes))
     return out
 
 

@@ -8,11 +8,19 @@ from typing import Any
 import fsspec
 
 from ..errors import StoreError
-from .base import MissingFile, Store, validate_path
+from .base import MissingFile, RefusedObject, Store, validate_path
 from .local import LocalStore
 from .retry import RetryPolicy
 
-__all__ = ["LocalStore", "MissingFile", "RetryPolicy", "Store", "open_store", "validate_path"]
+__all__ = [
+    "LocalStore",
+    "MissingFile",
+    "RefusedObject",
+    "RetryPolicy",
+    "Store",
+    "open_store",
+    "validate_path",
+]
 
 _HF_BUCKET = re.compile(r"hf://buckets/[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(/[\w./-]*)?")
 _EXTRAS = {"s3": "s3fs (pip install 'deltasync[s3]')", "gs": "gcsfs", "gcs": "gcsfs"}

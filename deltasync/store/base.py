@@ -9,9 +9,9 @@ from typing import Any
 import fsspec
 
 from ..errors import StoreError
-from .retry import MissingFile, RetryPolicy
+from .retry import MissingFile, RefusedObject, RetryPolicy
 
-__all__ = ["MissingFile", "Store", "validate_path"]
+__all__ = ["MissingFile", "RefusedObject", "Store", "validate_path"]
 
 _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 _MAX_PATH = 1024
@@ -72,6 +72,8 @@ class Store:
                 return fn(*args, **kwargs)
             except FileNotFoundError:
                 raise MissingFile(f"{what}: no such file", path=path) from None
+            except RefusedObject as exc:
+                raise RefusedObject(f"{what}: {exc}", path=path) from None
             except StoreError:
                 raise
             except Exception as exc:
@@ -87,9 +89,26 @@ class Store:
         """One attempt at writing a whole object (backends override this, not `put`)."""
         self.fs.pipe_file(full, data)
 
-    def get(self, path: str) -> bytes:
+    def get(self, path: str, *, limit: int | None = None) -> bytes:
+        """A whole object; with `limit`, at most `limit` bytes are accepted and at most
+        `limit + 1` are ever read (an object larger than it declares is refused, not held)."""
         full = self._full(path)
-        return self._call("get", path, self.fs.cat_file, full)
+        if limit is None:
+            return self._call("get", path, self._read, full, None)
+        if limit < 0:
+            raise StoreError(f"invalid read limit {limit}", path=path)
+        data = self._call("get", path, self._read, full, limit + 1)
+        if len(data) > limit:
+            raise RefusedObject(
+                f"object is larger than the {limit} bytes expected; not read", path=path
+            )
+        return data
+
+    def _read(self, full: str, end: int | None) -> bytes:
+        """One attempt at reading an object from its start, to `end` (None: the whole of it)."""
+        if end is None:
+            return self.fs.cat_file(full)
+        return self.fs.cat_file(full, start=0, end=end)
 
     def get_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of an object, e.g. a safetensors header."""

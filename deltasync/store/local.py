@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
-from .base import Store
+from ..errors import StoreError
+from .base import RefusedObject, Store
 from .retry import RetryPolicy
 
 __all__ = ["LocalStore"]
@@ -16,7 +19,12 @@ __all__ = ["LocalStore"]
 
 class LocalStore(Store):
     """Writes go to a temporary file that is fsynced and renamed, so readers never see a partial
-    file and a crash leaves the previous version in place."""
+    file and a crash leaves the previous version in place.
+
+    Reads open only regular files inside the folder: a symlink anywhere below the root, a FIFO
+    or a device is refused before a byte is read (a planted `manifest.json -> /dev/zero` or a
+    FIFO would otherwise exhaust memory or block the reader), and the error names no target.
+    """
 
     def __init__(self, folder: str | os.PathLike[str], *, retry: RetryPolicy | None = None):
         path = Path(folder).expanduser().resolve()
@@ -36,6 +44,52 @@ class LocalStore(Store):
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    def _open_regular(self, full: str) -> int:
+        """A read-only descriptor of a regular file under the root (no symlink on the way)."""
+        symlink = RefusedObject("not a regular file inside the bucket (a symlink); refused")
+        if os.path.realpath(full) != os.path.normpath(full):
+            raise symlink
+        try:  # O_NOFOLLOW: a symlink planted after the check; O_NONBLOCK: a FIFO does not block
+            fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise symlink from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RefusedObject(
+                "not a regular file inside the bucket (a FIFO, device or folder); refused"
+            )
+        return fd
+
+    def _read(self, full: str, end: int | None) -> bytes:
+        with os.fdopen(self._open_regular(full), "rb") as f:
+            return f.read() if end is None else f.read(end)
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        full = self._full(path)
+        if not 0 <= start <= end:
+            raise StoreError(f"invalid byte range {start}..{end}", path=path)
+
+        def read() -> bytes:
+            with os.fdopen(self._open_regular(full), "rb") as f:
+                f.seek(start)
+                return f.read(end - start)
+
+        return self._call("get_range", path, read)
+
+    def size(self, path: str) -> int:
+        full = self._full(path)
+
+        def measure() -> int:
+            fd = self._open_regular(full)
+            try:
+                return os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+
+        return int(self._call("size", path, measure))
 
     def list(self, prefix: str = "") -> list[str]:
         return [p for p in super().list(prefix) if not Path(p).name.startswith(".tmp-")]

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from ..errors import StoreError
 
-__all__ = ["RetryPolicy"]
+__all__ = ["MissingFile", "RefusedObject", "RetryPolicy"]
 
 T = TypeVar("T")
 log = logging.getLogger("deltasync.store")
@@ -18,6 +18,11 @@ log = logging.getLogger("deltasync.store")
 
 class MissingFile(StoreError, FileNotFoundError):
     """The path does not exist in the bucket (never retried: waiting does not create it)."""
+
+
+class RefusedObject(StoreError):
+    """An object the store will not read: not a regular file (a symlink, FIFO or device in a
+    folder bucket) or larger than the reader expects. Never retried."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class RetryPolicy:
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
-            except MissingFile:
+            except (MissingFile, RefusedObject):
                 raise
             except StoreError as exc:
                 if attempt == self.attempts:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from deltasync.errors import DeltaSyncError, FormatError, StoreError
-from deltasync.manifest import MANIFEST_PATH, ChainEntry, Manifest
+from deltasync.manifest import ChainEntry, Manifest, read_manifest_bytes
 from deltasync.store import MissingFile, Store
 
 from .records import HeaderInfo, SyncRecord, read_header
@@ -167,9 +167,8 @@ class BucketWatcher:
         )
 
     def _read_manifest(self) -> Manifest | None:
-        try:
-            data = self.store.get(MANIFEST_PATH)
-        except MissingFile:
+        data = read_manifest_bytes(self.store)
+        if data is None:
             return None
         cache = self._cache
         if data != cache.manifest_bytes:

@@ -86,8 +86,8 @@ class CountingStore(LocalStore):
         super().__init__(str(folder))
         self.calls: list[tuple[str, str, int]] = []
 
-    def get(self, path: str) -> bytes:
-        data = super().get(path)
+    def get(self, path: str, *, limit: int | None = None) -> bytes:
+        data = super().get(path, limit=limit)
         self.calls.append(("get", path, len(data)))
         return data
 

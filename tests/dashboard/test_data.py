@@ -207,10 +207,10 @@ def test_corrupt_manifest_then_repaired(trainer):
 class FailingStore(LocalStore):
     fail = False
 
-    def get(self, path: str) -> bytes:
+    def get(self, path: str, *, limit: int | None = None) -> bytes:
         if self.fail:
             raise StoreError("connection reset", path=path)
-        return super().get(path)
+        return super().get(path, limit=limit)
 
 
 def test_unreachable_bucket_keeps_the_last_data(trainer):
