@@ -24,6 +24,7 @@ import torch
 import zstandard
 
 from .codec import _leb128, entropy_floor
+from .output import save_json
 from .realistic import SHAPES, deltas
 
 
@@ -155,9 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             + " | ".join(f"{r[k]:.2f}" for k in keys)
             + f" | {r['val_floor']:.2f} |"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(rows, args.json)
     return 0
 
 

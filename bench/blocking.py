@@ -16,7 +16,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ import torch
 from deltasync.device_snapshot import DeviceSnapshot
 from deltasync.snapshot import Bf16Snapshot, digests_after
 
+from .output import save_json
 from .realistic import SHAPES
 from .synthetic import synthetic_states
 
@@ -111,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | {med[key]:.3f} | {med['before_s'] / med[key]:.2f}x |")
     print(f"\ndevice mode: hashing the host mirror in the worker, {med['digests_worker_s']:.3f} s")
     print(f"threads {torch.get_num_threads()}/{os.cpu_count()} cpus")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_json(rows, args.json)
     return 0
 
 

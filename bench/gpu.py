@@ -40,6 +40,7 @@ from deltasync.state_hash import apply_changes, state_sums
 from deltasync.vllm_ext.device import InPlaceSink
 from deltasync.vllm_ext.layout import build_layout, slot_view
 
+from .output import save_json
 from .realistic import SHAPES, build_config
 from .vllm_standin import StandInQwen3
 
@@ -188,11 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "models": [run(m, device, args.steps, args.lr, args.seed) for m in args.models],
         "checks": "ok",
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    print(json.dumps(result, indent=1))
+    save_json(result, args.json)
     return 0
 
 

@@ -26,6 +26,7 @@ from deltasync.changes import TensorChange
 from deltasync.state_digest import total
 from deltasync.state_hash import apply_changes, device_sum, state_sums, tensor_sum
 
+from .output import save_json
 from .realistic import SHAPES
 from .synthetic import parameter_shapes
 
@@ -110,11 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
     result = run(args.model, torch.device(args.device), args.density)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    print(json.dumps(result, indent=1))
+    save_json(result, args.json)
     return 0
 
 
