@@ -1,92 +1,145 @@
-"""A loopback sidecar that adds the rollout server's bearer token to TRL's requests.
+"""A loopback sidecar that lets TRL, and only TRL's calls, reach a token-protected rollout server.
 
 TRL's rollout worker and `VLLMClient` send no credentials, while our rollout servers require a
-bearer token on every route (completions included). Instead of putting the token into a URL
-(where logs would show it), the trainer points TRL at this proxy on 127.0.0.1, which forwards
-each request to the real server with `Authorization: Bearer <token>` added.
+bearer token on every route. The trainer points TRL at this proxy, which adds
+`Authorization: Bearer <token>`. Anything that can reach 127.0.0.1 can reach the proxy, so it must
+not become a token-adding relay for the control routes (`/pause`, `/collective_rpc`, weight
+updates): it forwards only the routes TRL's async GRPO calls, and only for callers that know a
+per-process secret that TRL carries as the first path segment of its base URL (TRL builds every
+URL as `f"{base_url}{route}"`, so the prefix survives). It also refuses a foreign `Host` (DNS
+rebinding), any `Origin` (TRL sends none; browsers do) and POST bodies that are not JSON (a
+cross-site form cannot send `application/json` without a CORS preflight, which is refused).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import logging
+import secrets
 import threading
+from typing import Final
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
-__all__ = ["AuthProxy"]
+__all__ = ["ALLOWED_ROUTES", "AuthProxy"]
 
-_HOP_BY_HOP = {
-    "connection",
-    "keep-alive",
-    "transfer-encoding",
-    "content-length",
-    "host",
-    "authorization",
-    "content-encoding",
-}
+log = logging.getLogger(__name__)
+
+# (method, route) pairs forwarded; where TRL 1.16 calls each (trl/experimental/async_grpo/):
+ALLOWED_ROUTES: Final[frozenset[tuple[str, str]]] = frozenset(
+    {
+        ("POST", "/v1/completions"),  # async_rollout_worker.py, _generate_one_turn -> _post
+        ("GET", "/v1/models"),  # vllm_client.py, get_max_model_len (token_budget=None)
+        ("GET", "/server_info"),  # vllm_client.py, get_dtype / get_server_info
+        ("GET", "/health"),  # vllm_client.py, wait_for_server_ready
+    }
+)
+_KEEP_RESPONSE_HEADERS = {"content-type", "cache-control", "retry-after"}
 
 
 class AuthProxy:
-    """Forward `http://127.0.0.1:<port>/...` to `upstream` with a bearer token (one thread)."""
+    """Forward TRL's routes from `url` (`http://127.0.0.1:<port>/<secret>`) to `upstream`.
+
+    A context manager: entering starts the proxy on its own thread and event loop and sets `url`,
+    the base URL to hand to TRL. `url` holds the secret, so log `display_url` instead.
+    TRL's generation calls are plain JSON request/response (never `stream`), so bodies are
+    buffered whole.
+    """
 
     def __init__(self, upstream: str, token: str, *, timeout_s: float = 600.0):
         self.upstream = upstream.rstrip("/")
         self._token = token
+        self._secret = secrets.token_urlsafe(24)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._host = ""  # the only Host header accepted, "127.0.0.1:<port>", set on start
+        self._session: aiohttp.ClientSession | None = None
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="auth-proxy", daemon=True)
         self.url = ""
 
+    @property
+    def display_url(self) -> str:
+        """`url` with the secret cut to its first 4 characters, for logs."""
+        return f"http://{self._host}/{self._secret[:4]}…"
+
     def __enter__(self) -> AuthProxy:
         self._thread.start()
         if not self._ready.wait(30):
-            raise RuntimeError("auth proxy did not start")
+            raise RuntimeError("auth proxy did not start within 30 s")
+        log.info("auth proxy %s -> %s", self.display_url, self.upstream)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
+    def _admit(self, request: web.Request) -> str | web.Response:
+        """The route to forward, or the refusal; checks run before any byte is read or sent."""
+        first, _, rest = request.rel_url.raw_path[1:].partition("/")
+        if not hmac.compare_digest(first.encode(errors="replace"), self._secret.encode()):
+            # No path is logged: a near miss could be most of the secret.
+            return self._refuse(request.method, "<no secret prefix>", 404, "not found")
+        route = f"/{rest}"
+        if request.headers.get("Host") != self._host:
+            return self._refuse(request.method, route, 403, "Host is not the proxy's address")
+        if "Origin" in request.headers:
+            return self._refuse(request.method, route, 403, "requests with an Origin are refused")
+        if (request.method, route) not in ALLOWED_ROUTES:
+            return self._refuse(request.method, route, 403, "route is not forwarded")
+        if request.method == "POST" and request.content_type != "application/json":
+            return self._refuse(request.method, route, 415, "POST body must be application/json")
+        return route
+
+    @staticmethod
+    def _refuse(method: str, route: str, status: int, reason: str) -> web.Response:
+        log.warning("auth proxy refused %.10s %.100r: %s (%d)", method, route, reason, status)
+        return web.Response(status=status, text=reason)
+
+    async def _forward(self, request: web.Request) -> web.Response:
+        admitted = self._admit(request)
+        if isinstance(admitted, web.Response):
+            return admitted
+        assert self._session is not None  # set before the site starts
+        headers = {"Authorization": f"Bearer {self._token}"}  # nothing else of the caller's
+        body = None
+        if request.method == "POST":
+            headers["Content-Type"] = request.headers["Content-Type"]
+            body = await request.read()
+        target = URL(self.upstream + admitted).with_query(request.rel_url.query)
+        try:
+            async with self._session.request(
+                request.method, target, headers=headers, data=body, timeout=self._timeout
+            ) as upstream:
+                reply = await upstream.read()
+                keep = {
+                    k: v for k, v in upstream.headers.items() if k.lower() in _KEEP_RESPONSE_HEADERS
+                }
+                return web.Response(status=upstream.status, body=reply, headers=keep)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # A replica that is down or restarting: answer 502 (TRL's rollout worker retries
+            # it) instead of letting aiohttp log a traceback for every request.
+            return web.Response(
+                status=502, text=f"rollout server {self.upstream} unreachable: {exc!r}"
+            )
+
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
-        session: aiohttp.ClientSession | None = None
-
-        async def forward(request: web.Request) -> web.Response:
-            headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
-            headers["Authorization"] = f"Bearer {self._token}"
-            try:
-                async with session.request(
-                    request.method,
-                    self.upstream + request.rel_url.path_qs,
-                    headers=headers,
-                    data=await request.read(),
-                    timeout=self._timeout,
-                ) as upstream:
-                    body = await upstream.read()
-                    keep = {
-                        k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
-                    }
-                    return web.Response(status=upstream.status, body=body, headers=keep)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                # A replica that is down or restarting: answer 502 (TRL's rollout worker retries
-                # it) instead of letting aiohttp log a traceback for every request.
-                return web.Response(
-                    status=502, text=f"rollout server {self.upstream} unreachable: {exc!r}"
-                )
 
         async def start() -> web.AppRunner:
-            nonlocal session
-            session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession()
             app = web.Application(client_max_size=64 * 1024 * 1024)
-            app.router.add_route("*", "/{tail:.*}", forward)
+            app.router.add_route("*", "/{tail:.*}", self._forward)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
             port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            self.url = f"http://127.0.0.1:{port}"
+            self._host = f"127.0.0.1:{port}"
+            self.url = f"http://{self._host}/{self._secret}"
             return runner
 
         runner = self._loop.run_until_complete(start())
@@ -95,5 +148,6 @@ class AuthProxy:
             self._loop.run_forever()
         finally:
             self._loop.run_until_complete(runner.cleanup())
-            self._loop.run_until_complete(session.close())
+            if self._session is not None:
+                self._loop.run_until_complete(self._session.close())
             self._loop.close()

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,15 +19,26 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 60.0  # importing openenv (gradio, fastmcp) alone takes ~7 s on two cores
 _QUIET = ("--log-level", "warning")
+_SETTINGS = {
+    "MAX_CONCURRENT_ENVS",
+    "ENABLE_WEB_INTERFACE",
+    "SESSION_FIRST_MESSAGE_TIMEOUT_S",
+    "SESSION_IDLE_TIMEOUT_S",
+}
+
+
+@dataclass(frozen=True)
+class Server:
+    """A running server: its base URL, the file its output goes to, the settings it was given."""
+
+    url: str
+    log: Path
+    settings: dict[str, str]
 
 
 def _clean_environ() -> dict[str, str]:
     """The test process's environment without settings that would change the server under test."""
-    return {
-        k: v
-        for k, v in os.environ.items()
-        if k not in {"MAX_CONCURRENT_ENVS", "ENABLE_WEB_INTERFACE"}
-    }
+    return {k: v for k, v in os.environ.items() if k not in _SETTINGS}
 
 
 def _free_port() -> int:
@@ -49,8 +61,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{log.read_text()}")
 
 
-def run_server(tmp: Path, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Yield the base URL of a fresh server; stop it afterwards, whatever happened."""
+def run_server(tmp: Path, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """Yield a fresh server; stop it afterwards, whatever happened, and check its log."""
     port = _free_port()
     log = tmp / f"server-{port}.log"
     with log.open("wb") as out:
@@ -64,7 +76,7 @@ def run_server(tmp: Path, env: dict[str, str] | None = None) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, proc, log)
-        yield url
+        yield Server(url, log, env or {})
     finally:
         proc.terminate()
         try:
@@ -76,12 +88,25 @@ def run_server(tmp: Path, env: dict[str, str] | None = None) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A server with the default capacity (256), shared by the protocol tests."""
+def wordle_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server with the default settings, shared by the protocol tests."""
     yield from run_server(tmp_path_factory.mktemp("wordle"))
+
+
+@pytest.fixture(scope="session")
+def server_url(wordle_server: Server) -> str:
+    return wordle_server.url
 
 
 @pytest.fixture(scope="module")
 def load_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A default-capacity server for the load test alone, so no other test holds a slot."""
-    yield from run_server(tmp_path_factory.mktemp("wordle-load"))
+    for server in run_server(tmp_path_factory.mktemp("wordle-load")):
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def deadline_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Default capacity (256), deadlines of 3 s and 4 s (not 10 s and 300 s); starvation tests."""
+    env = {"SESSION_FIRST_MESSAGE_TIMEOUT_S": "3", "SESSION_IDLE_TIMEOUT_S": "4"}
+    yield from run_server(tmp_path_factory.mktemp("wordle-deadlines"), env)

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from wordle_env import WordleAction
-from wordle_env.models import MAX_MESSAGE_CHARS
+from wordle_env.models import MAX_EPISODE_ID_CHARS, MAX_MESSAGE_CHARS, InvalidResetError
 from wordle_env.server import WordleEnvironment
 
 
@@ -37,27 +37,49 @@ def test_word_option_sets_the_secret() -> None:
     assert env.state.raw_state["secret_word"] == "crane"
 
 
+LONG = "x" * 100_000
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"seed": "7"}, "seed must be an integer, got '7'"),
-        ({"seed": True}, "seed must be an integer"),
-        ({"word": "xqzvw"}, "word must be an allowed five-letter word"),
-        ({"word": 12345}, "word must be an allowed five-letter word"),
-        ({"episode_id": 3}, "episode_id must be a string"),
-        ({"colour": "green"}, r"unknown reset options \['colour'\]; known: seed, episode_id, word"),
+        ({"seed": "7"}, r"seed: Input should be a valid integer"),
+        ({"seed": True}, r"seed: Input should be a valid integer"),
+        ({"seed": 7.0}, r"seed: Input should be a valid integer"),
+        ({"seed": float("inf")}, r"seed: Input should be a valid integer"),
+        ({"seed": -1}, r"seed: Input should be greater than or equal to 0"),
+        ({"seed": 2**64}, r"seed: Input should be less than or equal to"),
+        ({"word": "xqzvw"}, r"word: 'xqzvw' is not an allowed guess"),
+        ({"word": "cr\u00e4ne"}, r"word: 'cr\u00e4ne' is not an allowed guess"),
+        ({"word": 12345}, r"word: Input should be a valid string"),
+        ({"word": LONG}, r"word: String should have at most 5 characters"),
+        ({"word": ["crane"]}, r"word: Input should be a valid string"),
+        ({"episode_id": 3}, r"episode_id: Input should be a valid string"),
+        ({"episode_id": LONG}, r"episode_id: String should have at most 255 characters"),
+        ({"colour": "green"}, r"colour: Extra inputs are not permitted.*seed, episode_id, word"),
+        ({LONG: 1}, r"x{40}: Extra inputs are not permitted"),
     ],
 )
 def test_bad_reset_options(options: dict[str, object], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidResetError, match=message) as refused:
         WordleEnvironment().reset(**options)
+    assert len(str(refused.value)) < 300  # names the option, never echoes a long value
+    assert isinstance(refused.value, ValueError)  # OpenEnv answers it as an EXECUTION_ERROR
+
+
+def test_longest_episode_id_is_kept() -> None:
+    env = WordleEnvironment()
+    env.reset(word="crane", episode_id="e" * MAX_EPISODE_ID_CHARS)
+    assert env.state.episode_id == "e" * MAX_EPISODE_ID_CHARS
 
 
 def test_bad_reset_keeps_the_running_game() -> None:
     env = WordleEnvironment()
     env.reset(word="crane")
-    with pytest.raises(ValueError):
-        env.reset(word="xqzvw")
+    for bad in ({"word": "xqzvw"}, {"seed": float("inf")}, {"episode_id": LONG}):
+        with pytest.raises(InvalidResetError):
+            env.reset(**bad)
+    assert env.state.episode_id != LONG
     assert env.step(WordleAction(message="[crane]")).reward == 1.0
 
 

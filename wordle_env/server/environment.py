@@ -10,7 +10,16 @@ from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import EnvironmentMetadata
 
 from wordle_env.game import PROMPT, WordleGame
-from wordle_env.models import ENV_ID, WordleAction, WordleMessage, WordleObservation, WordleState
+from wordle_env.models import (
+    ENV_ID,
+    InvalidResetError,
+    WordleAction,
+    WordleMessage,
+    WordleObservation,
+    WordleResetOptions,
+    WordleState,
+    parse_reset_options,
+)
 from wordle_env.words import load_word_lists
 
 __all__ = ["WordleEnvironment"]
@@ -40,15 +49,16 @@ class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState
         word: str | None = None,
         **options: Any,
     ) -> WordleObservation:
-        """Start a game; ``seed`` picks the secret reproducibly, ``word`` sets it (for tests)."""
-        if options:
-            raise ValueError(
-                f"unknown reset options {sorted(options)}; known: seed, episode_id, word"
-            )
-        if episode_id is not None and not isinstance(episode_id, str):
-            raise ValueError(f"episode_id must be a string, got {episode_id!r}")
-        self._game = WordleGame(self._pick_secret(seed, word), self._words.guesses)
-        self._state = WordleState(episode_id=episode_id or str(uuid4()))
+        """Start a game; ``seed`` picks the secret reproducibly, ``word`` sets it (for tests).
+
+        Every option is checked before the current game is touched, so a refused reset leaves the
+        session as it was (``InvalidResetError``, a ``ValueError``).
+        """
+        parsed = parse_reset_options(
+            {"seed": seed, "episode_id": episode_id, "word": word, **options}
+        )
+        self._game = WordleGame(self._pick_secret(parsed), self._words.guesses)
+        self._state = WordleState(episode_id=parsed.episode_id or str(uuid4()))
         self._sync_state({})
         return self._observation(0.0, {}, {})
 
@@ -92,14 +102,15 @@ class WordleEnvironment(Environment[WordleAction, WordleObservation, WordleState
             version="0.1.0",
         )
 
-    def _pick_secret(self, seed: int | None, word: str | None) -> str:
-        if word is not None:
-            if not isinstance(word, str) or word.lower() not in self._words.guesses:
-                raise ValueError(f"word must be an allowed five-letter word, got {word!r}")
-            return word.lower()
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        return random.Random(seed).choice(self._words.answers)
+    def _pick_secret(self, options: WordleResetOptions) -> str:
+        if options.word is not None:
+            word = options.word.lower()
+            if word not in self._words.guesses:
+                raise InvalidResetError(
+                    f"invalid reset options (word: {options.word!r} is not an allowed guess)"
+                )
+            return word
+        return random.Random(options.seed).choice(self._words.answers)
 
     def _sync_state(self, info: dict[str, Any]) -> None:
         game = self._game
