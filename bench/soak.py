@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> dict:
     bucket = work / "bucket"
     policy = AnchorPolicy(interval=args.anchor_interval, keep_anchors=2)
 
-    def publisher_for(encoding: str) -> Publisher:  # a new one resumes the run from the bucket
-        config = PublisherConfig(RUN_ID, encoding=encoding, policy=policy)
+    def publisher_for(encoding: str) -> Publisher:  # a new one takes the run over, resumed
+        config = PublisherConfig(RUN_ID, encoding=encoding, policy=policy, takeover=True)
         return Publisher(open_store(str(bucket)), config)
 
     publisher = publisher_for("packed")

@@ -1,10 +1,12 @@
-"""`python -m deltasync`: demo, inspect a file, verify a bucket's chain, materialise a checkpoint.
+"""`python -m deltasync`: demo, inspect a file, verify a bucket's chain, materialise a checkpoint,
+remove garbage.
 
 Examples:
     python -m deltasync demo --bucket ./bucket --steps 30
     python -m deltasync inspect ./bucket/runs/r1/deltas/00000002-0123456789ab.safetensors
     python -m deltasync verify ./bucket
     python -m deltasync replay s3://my-bucket/rl --version 40 --out ./ckpt-40
+    python -m deltasync gc ./bucket --delete
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tqdm import tqdm
 from . import MissingExtra, import_tensor_side
 from .codec import ENCODINGS, read_metadata
 from .errors import DeltaSyncError, FormatError
+from .garbage import find_unreferenced
 from .manifest import fetch_entry, read_manifest
 from .store import open_store
 
@@ -152,6 +155,26 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gc(args: argparse.Namespace) -> int:
+    """List (and with --delete remove) the chain files no manifest names."""
+    store = open_store(args.bucket)
+    manifest = read_manifest(store)
+    garbage = find_unreferenced(store, manifest)
+    sizes = {path: store.size(path) for path in garbage}
+    for path, size in sizes.items():
+        print(f"{size:>14,d}  {path}")
+    total = f"{len(garbage)} unreferenced files, {sum(sizes.values()) / 1e6:.1f} MB"
+    if manifest is None and garbage:
+        total += " (the bucket has no manifest: every chain file counts)"
+    if not args.delete:
+        print(f"{total}; dry run: pass --delete to remove them")
+        return 0
+    for path in tqdm(garbage, desc="deleting", disable=args.quiet or not garbage):
+        store.delete(path)
+    print(f"removed {total}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     import logging
 
@@ -194,6 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder for model.safetensors")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_replay)
+    p = sub.add_parser(
+        "gc",
+        help="list anchors, deltas and parts no manifest names (failed, fenced or replaced "
+        "runs' files); --delete removes them",
+    )
+    p.add_argument("bucket", help="folder, hf://buckets/NS/NAME, s3://..., memory://...")
+    p.add_argument("--delete", action="store_true", help="remove them (default: dry run)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_gc)
     return parser
 
 

@@ -79,3 +79,8 @@ class PublishError(DeltaSyncError):
     def __init__(self, message: str, *, version: int | None = None):
         super().__init__(message)
         self.version = version
+
+
+class Fenced(PublishError):
+    """Another publisher took the run over (or replaced it) in the bucket: this one may never
+    commit again; restart it with `takeover` to continue from the bucket."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
@@ -28,6 +29,9 @@ __all__ = [
 ]
 
 MANIFEST_PATH = "manifest.json"
+_HEX128 = re.compile(r"[0-9a-f]{32}")
+_FENCING = ("epoch", "previous")  # manifest keys since protocol 5
+_BEFORE_FENCING = ("deltasync/1", "deltasync/2", "deltasync/3", "deltasync/4")
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 FileData = bytes | tuple[bytes, ...]  # one file, or the parts of a sharded version in order
 
@@ -179,6 +183,11 @@ class Manifest:
 
     Every version after the first has a delta (anchor versions too), so a live replica always
     moves by a small file; anchors serve cold starts. Deltas are contiguous: delta v has base v-1.
+
+    Fencing (protocol 5): `epoch` numbers the publisher that wrote it (each publisher that
+    starts or takes over a run in the bucket writes the previous epoch + 1) and `previous` is the
+    xxh3-128 of the manifest bytes it replaced (None: the bucket was empty), so a commit can be
+    a compare-and-swap and any reader can tell a fork. Older manifests read as epoch 0.
     """
 
     run_id: str
@@ -188,9 +197,15 @@ class Manifest:
     model_bytes: int
     updated_at: float = field(default_factory=time.time)
     protocol: str = PROTOCOL
+    epoch: int = 1
+    previous: str | None = None
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
+        if not isinstance(self.epoch, int) or isinstance(self.epoch, bool) or self.epoch < 0:
+            raise FormatError(f"manifest epoch must be a non-negative integer, got {self.epoch!r}")
+        if self.previous is not None and not _HEX128.fullmatch(str(self.previous)):
+            raise FormatError(f"manifest previous must be null or 32 hex digits: {self.previous!r}")
         if not self.anchors:
             raise FormatError("manifest has no anchor")
         versions = [d.version for d in self.deltas]
@@ -217,7 +232,12 @@ class Manifest:
         return [d for d in self.deltas if d.version > version]
 
     def plan(
-        self, run_id: str | None, version: int | None, target: int | None = None
+        self,
+        run_id: str | None,
+        version: int | None,
+        target: int | None = None,
+        *,
+        digest: str | None = None,
     ) -> list[ChainEntry]:
         """Files a reader at (`run_id`, `version`) applies, in order, to reach `target`.
 
@@ -227,9 +247,13 @@ class Manifest:
         or before `target` plus the deltas after it - the one with fewer bytes to fetch wins (a
         virtual anchor costs the model's bytes).
 
+        `digest` (the reader's full-state digest) detects a fork: a reader holding a `version`
+        that another publisher wrote differently (a best-effort store lost a race) is refused
+        before it downloads anything.
+
         Raises:
             ChainError: the bucket cannot produce `target` for this reader: not written yet,
-                pruned by retention, or the reader is already past it.
+                pruned by retention, the reader is already past it, or holds a fork.
         """
         target = self.latest_version if target is None else target
         if target > self.latest_version:
@@ -239,6 +263,15 @@ class Manifest:
                 found=target,
             )
         same_run = run_id == self.run_id and version is not None
+        bucket_digest = self.version_digest(version) if same_run and digest else None
+        if bucket_digest is not None and bucket_digest != digest:
+            raise ChainError(
+                f"fork: the reader's version {version} (state digest {digest}) is not the "
+                f"bucket's version {version} ({bucket_digest}): another publisher rewrote it; "
+                "restart the reader to load the bucket's chain",
+                expected=bucket_digest,
+                found=digest,
+            )
         if same_run and version == target:
             return []
         if same_run and version > target:
@@ -303,8 +336,25 @@ class Manifest:
     def referenced_paths(self) -> set[str]:
         return {f.path for e in (*self.anchors, *self.deltas) for f in e.files}
 
+    def committed_after(self, previous: bytes | None, epoch: int) -> Manifest:
+        """This manifest as the commit that replaces `previous` (the bytes read or written
+        last; None: an empty bucket), written by publisher `epoch`."""
+        return replace(
+            self, epoch=epoch, previous=None if previous is None else bytes_digest(previous)
+        )
+
+    def version_digest(self, version: int) -> str | None:
+        """The full-state digest the bucket gives `version`, when a retained entry names it."""
+        for entry in (*self.anchors, *self.deltas):
+            if entry.version == version and entry.state_digest is not None:
+                return entry.state_digest
+        return None
+
     def to_json(self) -> bytes:
         raw = asdict(self)
+        if self.protocol in _BEFORE_FENCING:
+            for key in _FENCING:
+                del raw[key]
         for entry in (*raw["anchors"], *raw["deltas"]):  # as read: older entries lack keys
             if self.protocol in ("deltasync/1", "deltasync/2"):
                 del entry["parts"]
@@ -327,6 +377,8 @@ class Manifest:
             raise FormatError(f"manifest is a JSON {type(raw).__name__}, not an object", path=path)
         protocol = check_protocol(raw.get("protocol"), what="manifest", path=path)  # first
         keys = {f.name for f in cls.__dataclass_fields__.values()}
+        if protocol < 5:  # normalised here: older manifests have no fencing
+            keys -= set(_FENCING)
         if set(raw) != keys:
             raise FormatError(f"manifest keys {sorted(raw)}, expected {sorted(keys)}", path=path)
         try:
@@ -346,6 +398,8 @@ class Manifest:
                 model_bytes=raw["model_bytes"],
                 updated_at=float(raw["updated_at"]),
                 protocol=raw["protocol"],
+                epoch=raw.get("epoch", 0),
+                previous=raw.get("previous"),
             )
             for entry in (*manifest.anchors, *manifest.deltas):
                 # Only this run's files, named by version and digest (never the manifest,
@@ -391,15 +445,16 @@ def read_manifest_bytes(store: Store) -> bytes | None:
         return None
 
 
-def fetch_entry(store: Store, entry: ChainEntry) -> FileData:
+def fetch_entry(store: Store, entry: ChainEntry, *, tensors: int | None = None) -> FileData:
     """Download a manifest entry (every part of a sharded version, in order) and check each
     file's size and whole-file digest before parsing, then that its header promises the
-    entry's full-state digest (a part: its share)."""
-    found = tuple(fetch_file(store, file) for file in entry.files)
+    entry's full-state digest (a part: its share). `tensors`: the reader's model's tensor
+    count, when it knows it, bounds each header before its JSON is parsed."""
+    found = tuple(fetch_file(store, file, tensors=tensors) for file in entry.files)
     return found[0] if entry.parts is None else found
 
 
-def fetch_file(store: Store, file: PartRef) -> bytes:
+def fetch_file(store: Store, file: PartRef, *, tensors: int | None = None) -> bytes:
     """One stored file of a version (a whole file or one part), checked as `fetch_entry` does."""
     try:  # never reads past the declared size (+1)
         data = store.get(file.path, limit=file.bytes)
@@ -411,7 +466,7 @@ def fetch_file(store: Store, file: PartRef) -> bytes:
             f"{file.bytes}, or digest differs)",
             path=file.path,
         )
-    found = ParsedFile.parse(data, path=file.path).meta.state_digest
+    found = ParsedFile.parse(data, path=file.path, tensors=tensors).meta.state_digest
     if (found and found.hex()) != file.state_digest:
         raise FormatError(
             f"file's state digest {found} differs from the manifest's {file.state_digest}",

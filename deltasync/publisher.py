@@ -16,15 +16,14 @@ from .codec import encode_anchor, encode_delta, encode_virtual_anchor
 from .codec.metadata import check_tiling, validate_run_id
 from .device_snapshot import DeviceSnapshot, detection_device
 from .digest import bytes_digest
-from .errors import FormatError, PublishError, StoreError
+from .errors import Fenced, FormatError, PublishError, StoreError
+from .fencing import RunOwner
 from .manifest import (
-    MANIFEST_PATH,
     ChainEntry,
     Manifest,
     PartRef,
     file_path,
     metrics_path,
-    read_manifest,
 )
 from .metrics import SyncRecord
 from .policy import AnchorPolicy
@@ -54,7 +53,11 @@ class PublisherConfig:
     """Trainer-side settings; what readers must know travels in the files instead.
 
     Attributes:
-        run_id: names the run in the bucket; a bucket whose manifest has this run is resumed.
+        run_id: names the run in the bucket. A bucket holding another run is replaced by this
+            one at its first commit; one holding this run is refused unless `takeover`.
+        takeover: continue the run the bucket holds under `run_id` from its last committed
+            version. The takeover is itself a commit (the same versions, the next epoch), so a
+            publisher still writing the run fails its next commit (`Fenced`).
         encoding: delta encoding: `ans` (default, within 1 % of the entropy floor), `packed`
             (the encoding before it) or `coo` (TRL v1 interoperable).
         policy: when to write anchors and how many to keep.
@@ -78,6 +81,7 @@ class PublisherConfig:
     write_metrics: bool = True
     source: ModelSource | None = None
     change_detection: str = "auto"
+    takeover: bool = False
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
@@ -111,6 +115,7 @@ class _Job:
     future: Future[SyncRecord]
     diff_s: float
     enqueued_at: float
+    uploaded: list[str] = field(default_factory=list)  # removed again if it is not committed
 
 
 class Publisher:
@@ -141,6 +146,9 @@ class Publisher:
         self._lock = threading.Lock()
         self._snapshot: Bf16Snapshot | DeviceSnapshot | None = None
         self._manifest: Manifest | None = None
+        self._owner = RunOwner(store, config.run_id, takeover=config.takeover)
+        self._claimed = False
+        self._taken_over: Manifest | None = None  # the bucket's run of our id, to resume
         self._sums: dict[str, StateDigest] | None = None  # per tensor, last committed version
         self._pending: list[_Job] = []
         self._failure: PublishError | None = None
@@ -159,7 +167,7 @@ class Publisher:
         """
         if self._failure is not None:
             failure = self._failure
-            if self.shards is None:
+            if self.shards is None and not isinstance(failure, Fenced):
                 self._failure = None
             raise failure
         started = time.perf_counter()
@@ -236,13 +244,43 @@ class Publisher:
         device = detection_device(source, self.config.change_detection)
         return host if device is None else DeviceSnapshot(host, device)
 
+    def claim(self) -> None:
+        """Own the run in the bucket: a new run (replacing whatever run the bucket holds at
+        its first commit), or with `takeover` the bucket's run of our id, fenced to this
+        publisher at once (`deltasync.fencing`). `publish` calls it first if the caller did
+        not; calling it early turns a refusal into a one-line error before any training work
+        (collective when sharded: every rank calls it, rank 0 decides).
+
+        Raises:
+            PublishError: the bucket already holds this run and `takeover` is off, or the
+                takeover lost a race with another publisher.
+        """
+        if self._claimed:
+            return
+        decide = self.shards is None or self.shards.rank == 0
+        try:
+            found, refusal = self._owner.claim(decide=decide), None
+        except PublishError as exc:
+            found, refusal = None, str(exc)
+        if self.shards is not None:
+            refusal = self.shards.broadcast(refusal)
+        if refusal is not None:
+            raise PublishError(refusal)
+        self._claimed, self._taken_over = True, found
+
     def _start(self) -> None:
-        """Resume the run in the bucket when its manifest names our run id."""
-        manifest = read_manifest(self.store)
-        if manifest is not None and manifest.run_id == self.config.run_id:
+        """Claim the run, resume a taken-over one from the bucket, start the worker."""
+        self.claim()
+        manifest = self._taken_over
+        if manifest is not None:
             self._snapshot, self._sums = self._resume(manifest)
             self._manifest = manifest
-            log.info("resuming run %s at version %d", manifest.run_id, manifest.latest_version)
+            log.info(
+                "resuming run %s at version %d (epoch %d)",
+                manifest.run_id,
+                manifest.latest_version,
+                self._owner.epoch,
+            )
         self._worker = threading.Thread(target=self._run, name="deltasync-publisher", daemon=True)
         self._worker.start()
 
@@ -282,9 +320,15 @@ class Publisher:
                 job.future.set_result(record)
 
     def _fail(self, job: _Job, exc: Exception) -> None:
-        error = PublishError(f"version {job.version} was not published: {exc}", version=job.version)
-        error.__cause__ = exc
+        if isinstance(exc, Fenced):
+            error: PublishError = exc
+        else:
+            error = PublishError(
+                f"version {job.version} was not published: {exc}", version=job.version
+            )
+            error.__cause__ = exc
         log.error("%s", error)
+        self._owner.remove_uncommitted(job.uploaded, job.version)
         with self._lock:
             dropped, self._pending = self._pending, []
             if self._manifest is None:
@@ -324,7 +368,7 @@ class Publisher:
             )
             t1 = time.perf_counter()
             delta_entry = self._upload(
-                data, "delta", job.version, cfg.encoding, job.diff.changed_elements, state_digest
+                job, data, "delta", cfg.encoding, job.diff.changed_elements, state_digest
             )
             encode_s, upload_s = t1 - t0, time.perf_counter() - t1
             entries.append(delta_entry)
@@ -353,13 +397,11 @@ class Publisher:
             t1 = time.perf_counter()
             elements = sum(t.numel() for t in snapshot.tensors.values())
             encoding = "virtual" if virtual else "full"
-            anchor_entry = self._upload(
-                data, "anchor", job.version, encoding, elements, state_digest
-            )
+            anchor_entry = self._upload(job, data, "anchor", encoding, elements, state_digest)
             encode_s, upload_s = encode_s + t1 - t0, upload_s + time.perf_counter() - t1
             entries.append(anchor_entry)
         previous = self._manifest
-        manifest = self._commit(entries)
+        manifest = self._commit(entries, job.version)
         with self._lock:
             if job.diff is not None:
                 snapshot.advance(job.diff)
@@ -446,7 +488,7 @@ class Publisher:
         committed: tuple[str, str] | None = None
         if shards.rank == 0:
             try:
-                committed = ("ok", self._commit(entries).to_json().decode())
+                committed = ("ok", self._commit(entries, job.version).to_json().decode())
             except Exception as exc:
                 committed = ("error", f"rank 0 could not commit the manifest: {exc}")
         status, text = shards.broadcast(committed)
@@ -524,7 +566,7 @@ class Publisher:
                 part=info,
             )
             t1 = time.perf_counter()
-            delta = self._upload_part(data, "delta", job.version, digest)
+            delta = self._upload_part(job, data, "delta", digest)
             encode_s, upload_s = encode_s + t1 - t0, upload_s + time.perf_counter() - t1
         if job.diff is None or cfg.policy.wants_anchor(self._manifest, job.version):
             t0 = time.perf_counter()
@@ -537,7 +579,7 @@ class Publisher:
                 shapes={n: s.shape for n, s in layout.items()},
             )
             t1 = time.perf_counter()
-            anchor = self._upload_part(data, "anchor", job.version, digest)
+            anchor = self._upload_part(job, data, "anchor", digest)
             encode_s, upload_s = encode_s + t1 - t0, upload_s + time.perf_counter() - t1
         elements = sum(t.numel() for t in snapshot.tensors.values())
         changed = elements if job.diff is None else job.diff.changed_elements
@@ -545,29 +587,31 @@ class Publisher:
         outcome = _PartOutcome(job.version, info.rows, delta, anchor, changed, elements, seconds)
         return outcome, sums
 
-    def _upload_part(self, data: bytes, kind: str, version: int, digest: StateDigest) -> PartRef:
+    def _upload_part(self, job: _Job, data: bytes, kind: str, digest: StateDigest) -> PartRef:
         shards = self.shards
         assert shards is not None
         hashed = bytes_digest(data)
         part = (shards.rank, shards.size)
-        path = file_path(self.config.run_id, kind, version, hashed, part)
+        path = file_path(self.config.run_id, kind, job.version, hashed, part)
+        job.uploaded.append(path)
         self.store.put(path, data)
         return PartRef(path, len(data), hashed, digest.hex())
 
     def _upload(
         self,
+        job: _Job,
         data: bytes,
         kind: str,
-        version: int,
         encoding: str,
         changed: int,
         state_digest: StateDigest,
     ) -> ChainEntry:
         digest = bytes_digest(data)
-        path = file_path(self.config.run_id, kind, version, digest)
+        path = file_path(self.config.run_id, kind, job.version, digest)
+        job.uploaded.append(path)  # before the put: a put that fails midway may leave bytes
         self.store.put(path, data)
         return ChainEntry(
-            version,
+            job.version,
             kind,
             path,
             len(data),
@@ -577,16 +621,19 @@ class Publisher:
             state_digest.hex(),  # type: ignore[arg-type]
         )
 
-    def _commit(self, entries: list[ChainEntry]) -> Manifest:
-        """Write the manifest that makes the version visible: the commit point."""
+    def _commit(self, entries: list[ChainEntry], version: int) -> Manifest:
+        """Write the manifest that makes the version visible: the commit point, a
+        compare-and-swap against the manifest this publisher last read or wrote.
+
+        Raises:
+            Fenced: the bucket's manifest is no longer ours (a takeover or another run).
+        """
         if self._manifest is None:
             anchor = entries[-1]
             manifest = Manifest(self.config.run_id, anchor.version, (anchor,), (), anchor.bytes)
         else:
             manifest = self._manifest.with_version(entries, self.config.policy.keep_anchors)
-        data = manifest.to_json()
-        self.store.publish(MANIFEST_PATH, data)
-        return manifest
+        return self._owner.commit(manifest, version)
 
     def _after_commit(
         self,

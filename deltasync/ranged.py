@@ -28,20 +28,23 @@ MERGE_GAP = 1 << 20  # ranges this close are read as one request
 Slicer = Callable[[dict[str, tuple[int, ...]]], Mapping[str, Box]]
 
 
-def fetch_slices(store: Store, entry: ChainEntry, slicer: Slicer) -> FileData:
+def fetch_slices(
+    store: Store, entry: ChainEntry, slicer: Slicer, *, tensors: int | None = None
+) -> FileData:
     """`manifest.fetch_entry` for a reader holding the boxes `slicer(shapes)`: an anchor's
-    files by byte range (see the module docstring), a delta's whole (deltas are small)."""
+    files by byte range (see the module docstring), a delta's whole (deltas are small).
+    `tensors` (the reader's model's tensor count, when known) bounds each header."""
     if entry.kind != "anchor":
-        return fetch_entry(store, entry)
-    found = tuple(_fetch_file(store, file, slicer) for file in entry.files)
+        return fetch_entry(store, entry, tensors=tensors)
+    found = tuple(_fetch_file(store, file, slicer, tensors) for file in entry.files)
     return found[0] if entry.parts is None else found
 
 
-def _fetch_file(store: Store, file: PartRef, slicer: Slicer) -> mmap.mmap:
+def _fetch_file(store: Store, file: PartRef, slicer: Slicer, tensors: int | None) -> mmap.mmap:
     def read(start: int, end: int) -> bytes:
         return store.get_range(file.path, start, end)
 
-    header = parse_header(read, file.bytes, path=file.path)
+    header = parse_header(read, file.bytes, path=file.path, tensors=tensors)
     meta = FileMetadata.from_header(header, path=file.path)
     found = meta.state_digest
     if (found and found.hex()) != file.state_digest:

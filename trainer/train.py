@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from transformers import TrainerCallback
 
-from deltasync import AnchorPolicy, Publisher, PublisherConfig, open_store
+from deltasync import AnchorPolicy, Publisher, PublisherConfig, PublishError, open_store
 from deltasync.shards import ShardGroup
 from deltasync.source import resolve_source
 from deltasync.vllm_ext.client import ReplicaClient
@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder, hf://buckets/NS/NAME, s3://... (default %(default)s)",
     )
     p.add_argument("--run-id", default=None, help="run name in the bucket (default: run-<time>)")
+    p.add_argument(
+        "--takeover",
+        action="store_true",
+        help="continue the bucket's run of --run-id from its last committed version; a trainer "
+        "still publishing it fails its next commit (without this flag such a start is refused)",
+    )
     p.add_argument(
         "--vllm-server-url",
         action="append",
@@ -187,9 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_metrics=False,  # the transfer writes each record once, replicas and reward in
             # version 1 names the checkpoint when the weights still equal it (no full upload)
             source=None if sharded or args.full_first_anchor else resolve_source(model),
+            takeover=args.takeover,
         ),
         shards=shards,
     )
+    try:  # before any training work: a second trainer on the run is refused in one line
+        publisher.claim()
+    except PublishError as exc:
+        raise SystemExit(f"error: {exc}") from None
     replicas = {f"vllm-{i}": ReplicaClient(u, args.vllm_api_key) for i, u in enumerate(urls)}
     rewards = StepRewards(step=lambda: trainer.state.global_step)  # read during train() only
     transfer = BucketWeightTransfer(

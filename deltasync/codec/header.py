@@ -14,6 +14,7 @@ __all__ = [
     "MAX_TENSORS",
     "SafetensorsHeader",
     "TensorInfo",
+    "header_budget",
     "header_length",
     "parse_header",
     "parse_header_bytes",
@@ -21,6 +22,11 @@ __all__ = [
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 MAX_TENSORS = 1_000_000
+# What one model tensor can take in a header: up to a few stored entries (a delta's arrays) with
+# their names, shapes and offsets, plus its metadata (digest, counts); measured ~270 bytes with
+# 46-character names, so 4 KiB leaves room for long names and every encoding.
+HEADER_BYTES_PER_TENSOR = 4096
+HEADER_BYTES_BASE = 64 * 1024
 _DTYPE_SIZES = {
     "BOOL": 1,
     "U8": 1,
@@ -70,26 +76,41 @@ class SafetensorsHeader:
         return max((t.end for t in self.tensors.values()), default=0)
 
 
-def header_length(prefix: bytes, *, path: str | None = None) -> int:
-    """The header size from the first 8 bytes, refusing sizes past `MAX_HEADER_BYTES`."""
+def header_budget(tensors: int | None) -> int:
+    """The largest header a file of a model with `tensors` tensors can need (None: unknown,
+    the global `MAX_HEADER_BYTES`): a reader that knows its model refuses a hostile header by
+    its 8-byte length, before reading or parsing the JSON."""
+    if tensors is None:
+        return MAX_HEADER_BYTES
+    return min(MAX_HEADER_BYTES, HEADER_BYTES_BASE + HEADER_BYTES_PER_TENSOR * tensors)
+
+
+def header_length(prefix: bytes, *, path: str | None = None, limit: int = MAX_HEADER_BYTES) -> int:
+    """The header size from the first 8 bytes, refusing sizes past `limit`."""
     if len(prefix) < 8:
         raise FormatError(f"truncated file: {len(prefix)} bytes, a header needs 8", path=path)
     (n,) = struct.unpack("<Q", prefix[:8])
-    if n < 2 or n > MAX_HEADER_BYTES:
-        raise FormatError(f"header size {n} outside 2..{MAX_HEADER_BYTES} bytes", path=path)
+    if n < 2 or n > limit:
+        why = "" if limit == MAX_HEADER_BYTES else " (what this reader's model can need)"
+        raise FormatError(f"header size {n} outside 2..{limit} bytes{why}", path=path)
     return n
 
 
 def parse_header(
-    read: Callable[[int, int], bytes], file_size: int | None, *, path: str | None = None
+    read: Callable[[int, int], bytes],
+    file_size: int | None,
+    *,
+    path: str | None = None,
+    tensors: int | None = None,
 ) -> SafetensorsHeader:
     """Parse and validate a header using `read(start, end)`, e.g. byte-range reads from a store.
 
-    Checks: header size bound, JSON object, string metadata, tensor count bound, known dtypes,
-    non-negative shapes whose byte size matches the offsets, and (when `file_size` is given)
-    offsets that tile the data section exactly.
+    Checks: header size bound (`header_budget(tensors)`, `tensors` being the reader's model's
+    tensor count when it knows it), JSON object, string metadata, tensor count bound, known
+    dtypes, non-negative shapes whose byte size matches the offsets, and (when `file_size` is
+    given) offsets that tile the data section exactly.
     """
-    n = header_length(read(0, 8), path=path)
+    n = header_length(read(0, 8), path=path, limit=header_budget(tensors))
     if file_size is not None and 8 + n > file_size:
         raise FormatError(f"truncated file: header of {n} bytes, file of {file_size}", path=path)
     raw = read(8, 8 + n)
@@ -113,10 +134,12 @@ def parse_header(
     return SafetensorsHeader(metadata, tensors, 8 + n)
 
 
-def parse_header_bytes(data: bytes, *, path: str | None = None) -> SafetensorsHeader:
+def parse_header_bytes(
+    data: bytes, *, path: str | None = None, tensors: int | None = None
+) -> SafetensorsHeader:
     """`parse_header` over a complete file held in memory."""
     view = memoryview(data)
-    return parse_header(lambda a, b: bytes(view[a:b]), len(data), path=path)
+    return parse_header(lambda a, b: bytes(view[a:b]), len(data), path=path, tensors=tensors)
 
 
 def _tensor_info(name: str, info: object, path: str | None) -> TensorInfo:

@@ -32,10 +32,10 @@ __all__ = [
     "validate_run_id",
 ]
 
-PROTOCOL = "deltasync/4"  # bump on any change of the wire format (bucket_layout.md)
+PROTOCOL = "deltasync/5"  # bump on any change of the wire format (bucket_layout.md)
 # 1: before the full-state digest; 2: before sharded versions (part files); 3: before `ans`
-# deltas and virtual anchors
-READABLE_PROTOCOLS = ("deltasync/1", "deltasync/2", "deltasync/3", PROTOCOL)
+# deltas and virtual anchors; 4: before publisher fencing (the manifest's epoch and previous)
+READABLE_PROTOCOLS = ("deltasync/1", "deltasync/2", "deltasync/3", "deltasync/4", PROTOCOL)
 _PROTOCOL = re.compile(r"deltasync/([1-9][0-9]{0,5})")
 ENCODINGS = ("ans", "packed", "coo")  # delta encodings; anchors are "full"
 Kind = Literal["anchor", "delta"]
@@ -382,9 +382,12 @@ class ParsedFile:
     path: str | None = None
 
     @classmethod
-    def parse(cls, data: bytes, *, path: str | None = None) -> ParsedFile:
-        """Bounded header parse, then typed metadata; raises `FormatError`, reads no tensor."""
-        header = parse_header_bytes(data, path=path)
+    def parse(
+        cls, data: bytes, *, path: str | None = None, tensors: int | None = None
+    ) -> ParsedFile:
+        """Bounded header parse (by `tensors`, the reader's model's tensor count, when known),
+        then typed metadata; raises `FormatError`, reads no tensor."""
+        header = parse_header_bytes(data, path=path, tensors=tensors)
         return cls(data, header, FileMetadata.from_header(header, path=path), path)
 
     def normalised(
@@ -486,8 +489,12 @@ class ParsedParts:
 
 
 def read_metadata(
-    read: Callable[[int, int], bytes], file_size: int | None, *, path: str | None = None
+    read: Callable[[int, int], bytes],
+    file_size: int | None,
+    *,
+    path: str | None = None,
+    tensors: int | None = None,
 ) -> tuple[FileMetadata, SafetensorsHeader]:
     """Metadata from the header alone (byte-range reads), as the dashboard and `inspect` need."""
-    header = parse_header(read, file_size, path=path)
+    header = parse_header(read, file_size, path=path, tensors=tensors)
     return FileMetadata.from_header(header, path=path), header

@@ -8,15 +8,18 @@ from typing import Any
 import fsspec
 
 from ..errors import StoreError
-from .base import MissingFile, RefusedObject, Store, validate_path
+from .base import Conflict, MissingFile, RefusedObject, Store, validate_path
 from .local import LocalStore
 from .retry import RetryPolicy
+from .s3 import S3Store
 
 __all__ = [
+    "Conflict",
     "LocalStore",
     "MissingFile",
     "RefusedObject",
     "RetryPolicy",
+    "S3Store",
     "Store",
     "open_store",
     "validate_path",
@@ -52,4 +55,5 @@ def open_store(url: str, *, retry: RetryPolicy | None = None, **storage_options:
             f"cannot open {url!r}: {exc}; use a folder, hf://buckets/NS/NAME, s3://, gs://, "
             "memory:// or another fsspec protocol"
         ) from None
-    return Store(fs, root, url, retry=retry)
+    backend = S3Store if protocol in ("s3", "s3a") else Store
+    return backend(fs, root, url, retry=retry)

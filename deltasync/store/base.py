@@ -9,9 +9,9 @@ from typing import Any
 import fsspec
 
 from ..errors import StoreError
-from .retry import MissingFile, RefusedObject, RetryPolicy
+from .retry import Conflict, MissingFile, RefusedObject, RetryPolicy
 
-__all__ = ["MissingFile", "RefusedObject", "Store", "validate_path"]
+__all__ = ["Conflict", "MissingFile", "RefusedObject", "Store", "validate_path"]
 
 _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 _MAX_PATH = 1024
@@ -43,7 +43,13 @@ class Store:
 
     Every operation goes through `retry` (the one retry policy of the whole library): publisher,
     replica, retention deletes and metrics writes never retry on their own.
+
+    `swap` (the manifest's commit) is a compare-and-swap: strict where `conditional_writes` is
+    True (a folder: a lock file; S3: conditional puts), best effort elsewhere (Hub buckets have
+    no conditional write: a racing writer is detected after the fact, not prevented).
     """
+
+    conditional_writes = False
 
     def __init__(
         self,
@@ -72,8 +78,8 @@ class Store:
                 return fn(*args, **kwargs)
             except FileNotFoundError:
                 raise MissingFile(f"{what}: no such file", path=path) from None
-            except RefusedObject as exc:
-                raise RefusedObject(f"{what}: {exc}", path=path) from None
+            except (RefusedObject, Conflict) as exc:
+                raise type(exc)(f"{what}: {exc}", path=path) from None
             except StoreError:
                 raise
             except Exception as exc:
@@ -162,5 +168,35 @@ class Store:
             self._call("delete", path, self.fs.rm_file, full)
 
     def publish(self, path: str, data: bytes) -> None:
-        """Atomically replace a small commit-point object such as the manifest."""
+        """Atomically replace a small commit-point object, unconditionally."""
         self._call("publish", path, self._write, self._full(path), bytes(data))
+
+    def swap(self, path: str, data: bytes, *, expected: bytes | None) -> None:
+        """Replace a small object only while it still holds `expected` (None: only while it does
+        not exist): the manifest's commit, so two writers never both replace the same version.
+
+        An attempt that finds `data` already in place succeeded (a retry after a lost answer).
+
+        Raises:
+            Conflict: the object holds something else: another writer got there first.
+        """
+        self._call("swap", path, self._swap, self._full(path), bytes(data), expected)
+
+    def _swap(self, full: str, data: bytes, expected: bytes | None) -> None:
+        """One attempt: compare, write, and where the write is not conditional, read back."""
+        current = self._current(full, max(len(data), len(expected or b"")))
+        if current == data:
+            return
+        if current != expected:
+            raise Conflict("the object changed since it was read (another writer)")
+        self._write(full, data)
+        if not self.conditional_writes and self._current(full, len(data)) != data:
+            raise Conflict("another writer replaced the object right after this write")
+
+    def _current(self, full: str, limit: int) -> bytes | None:
+        """An object's bytes (None when missing), at most `limit + 1` of them: a larger object
+        equals neither side of a swap."""
+        try:
+            return self._read(full, limit + 1)
+        except FileNotFoundError:
+            return None

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
@@ -24,7 +26,13 @@ class LocalStore(Store):
     Reads open only regular files inside the folder: a symlink anywhere below the root, a FIFO
     or a device is refused before a byte is read (a planted `manifest.json -> /dev/zero` or a
     FIFO would otherwise exhaust memory or block the reader), and the error names no target.
+
+    `swap` is strict between processes on one machine: it compares and replaces under an
+    exclusive `flock` on a hidden lock file beside the object.
     """
+
+    conditional_writes = True
+    lock_wait_s = 30.0  # a holder keeps the lock for one small read and write
 
     def __init__(self, folder: str | os.PathLike[str], *, retry: RetryPolicy | None = None):
         path = Path(folder).expanduser().resolve()
@@ -44,6 +52,28 @@ class LocalStore(Store):
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    def _swap(self, full: str, data: bytes, expected: bytes | None) -> None:
+        target = Path(full)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = os.open(
+            target.parent / f".lock-{target.name}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644
+        )
+        try:
+            deadline = time.monotonic() + self.lock_wait_s
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise StoreError(
+                            f"lock on {target.name} held for {self.lock_wait_s} s"
+                        ) from None
+                    time.sleep(0.005)
+            super()._swap(full, data, expected)
+        finally:
+            os.close(lock)  # releases the lock
 
     def _open_regular(self, full: str) -> int:
         """A read-only descriptor of a regular file under the root (no symlink on the way)."""
@@ -92,4 +122,5 @@ class LocalStore(Store):
         return int(self._call("size", path, measure))
 
     def list(self, prefix: str = "") -> list[str]:
-        return [p for p in super().list(prefix) if not Path(p).name.startswith(".tmp-")]
+        """Objects only: temporary files of writes in progress and lock files are hidden."""
+        return [p for p in super().list(prefix) if not Path(p).name.startswith(".")]

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from ..errors import StoreError
 
-__all__ = ["MissingFile", "RefusedObject", "RetryPolicy"]
+__all__ = ["Conflict", "MissingFile", "RefusedObject", "RetryPolicy"]
 
 T = TypeVar("T")
 log = logging.getLogger("deltasync.store")
@@ -23,6 +23,11 @@ class MissingFile(StoreError, FileNotFoundError):
 class RefusedObject(StoreError):
     """An object the store will not read: not a regular file (a symlink, FIFO or device in a
     folder bucket) or larger than the reader expects. Never retried."""
+
+
+class Conflict(StoreError):
+    """A conditional write found another object in place: another writer got there first.
+    Never retried (the caller decides whether it lost)."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,8 @@ class RetryPolicy:
             raise ValueError(f"backoff_s must be >= 0, got {self.backoff_s!r}")
 
     def call(self, fn: Callable[[], T], *, what: str) -> T:
-        """Call `fn`, retrying `StoreError`s (not missing files) with delays backoff, 2x, 4x, ...
+        """Call `fn`, retrying `StoreError`s (not missing, refused or conflicting objects) with
+        delays backoff, 2x, 4x, ...
 
         Raises:
             StoreError: the last error, once `attempts` calls failed, saying how many were made.
@@ -52,7 +58,7 @@ class RetryPolicy:
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn()
-            except (MissingFile, RefusedObject):
+            except (MissingFile, RefusedObject, Conflict):
                 raise
             except StoreError as exc:
                 if attempt == self.attempts:

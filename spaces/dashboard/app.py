@@ -35,6 +35,7 @@ from .series import (
     timing_series,
     version_series,
 )
+from .serving import launch
 
 __all__ = ["DashboardConfig", "build_dashboard", "main"]
 
@@ -131,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DeltaSyncError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    demo.launch(server_name=args.host, server_port=args.port)
+    launch(demo, host=args.host, port=args.port)
     return 0
 
 

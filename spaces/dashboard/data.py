@@ -16,7 +16,8 @@ from typing import Literal
 
 from deltasync.errors import DeltaSyncError, FormatError, StoreError
 from deltasync.manifest import ChainEntry, Manifest, read_manifest_bytes
-from deltasync.store import MissingFile, Store
+from deltasync.metrics import MAX_RECORD_BYTES
+from deltasync.store import MissingFile, RefusedObject, Store
 
 from .records import HeaderInfo, SyncRecord, read_header
 
@@ -240,9 +241,12 @@ class BucketWatcher:
                 continue
             reads[0] -= 1
             try:
-                self._cache.metrics[path] = SyncRecord.from_json(self.store.get(path), path=path)
+                data = self.store.get(path, limit=MAX_RECORD_BYTES)  # never reads past it
+                self._cache.metrics[path] = SyncRecord.from_json(data, path=path)
             except MissingFile:
                 continue
+            except RefusedObject as exc:  # records are immutable: refused once, for good
+                self._cache.metrics[path] = FormatError(str(exc), path=path)
             except FormatError as exc:
                 self._cache.metrics[path] = exc
             except StoreError as exc:

@@ -117,6 +117,7 @@ def launch() -> Iterator[Callable[..., str]]:
     """Start dashboards on free loopback ports; returns their URLs; closes them afterwards."""
     from spaces.dashboard.app import DashboardConfig, build_dashboard
     from spaces.dashboard.data import WatcherConfig
+    from spaces.dashboard.serving import launch as serve
 
     demos = []
 
@@ -124,7 +125,7 @@ def launch() -> Iterator[Callable[..., str]]:
         config = DashboardConfig(refresh_s=refresh_s, watcher=WatcherConfig(min_poll_s=0.0))
         demo = build_dashboard(bucket, config)  # type: ignore[arg-type]
         port = free_port()
-        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+        serve(demo, host="127.0.0.1", port=port, prevent_thread_lock=True, quiet=True)
         demos.append(demo)
         return f"http://127.0.0.1:{port}/"
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
+import requests
 from gradio_client import Client
 
 from deltasync.manifest import MANIFEST_PATH, metrics_path
@@ -131,3 +134,19 @@ def test_cli_needs_a_bucket(monkeypatch, capsys):
     assert "pass --bucket or set DELTASYNC_BUCKET" in capsys.readouterr().err
     assert main(["--bucket", "hf://models/x"]) == 2
     assert "not a bucket URL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", [0, 1, 1_000_000])
+def test_the_dashboard_takes_no_uploads(trainer, launch, size):
+    """Gradio's upload route (open on every Gradio app) answers 403 before a byte is stored,
+    whatever the size, under the API prefix or not; the dashboard still serves."""
+    trainer.publish(2)
+    url = launch(trainer.store)
+    upload_dir = Path(tempfile.gettempdir(), "gradio")
+    before = set(upload_dir.rglob("*")) if upload_dir.exists() else set()
+    for route in ("gradio_api/upload", "gradio_api/upload/", "upload"):
+        answer = requests.post(url + route, files={"files": ("x.txt", b"x" * size)}, timeout=30)
+        assert answer.status_code == 403, (route, answer.status_code)
+    after = set(upload_dir.rglob("*")) if upload_dir.exists() else set()
+    assert after == before
+    assert "version 2" in refresh(Client(url, verbose=False))["status"]

@@ -10,7 +10,7 @@ import torch
 
 from deltasync.errors import StoreError
 from deltasync.manifest import MANIFEST_PATH, Manifest, metrics_path
-from deltasync.metrics import ReplicaOutcome, SyncRecord
+from deltasync.metrics import MAX_RECORD_BYTES, ReplicaOutcome, SyncRecord
 from deltasync.store import LocalStore
 from spaces.dashboard import charts
 from spaces.dashboard.data import BucketWatcher, WatcherConfig
@@ -190,6 +190,31 @@ def test_corrupt_metrics_record(trainer):
     assert any("corrupt metrics record" in p and "00000003.json" in p for p in snap.problems)
     assert [r.version for r in snap.records] == [1, 2, 4]
     assert 3 in {r["version"] for r in version_series(snap)}  # its delta header still counts
+
+
+def test_an_oversized_metrics_record_is_read_bounded_and_refused_once(trainer):
+    """A 3 MB record (the limit is 1 MiB): at most limit + 1 bytes are read, it is reported
+    like a corrupt record, and later polls do not read it again (records are immutable)."""
+    trainer.publish(4)
+    (bucket_dir(trainer) / metrics_path("run-a", 3)).write_bytes(b" " * 3_000_000)
+
+    reads: list[tuple[str, int | None]] = []
+
+    class SpyStore(LocalStore):
+        def _read(self, full: str, end: int | None) -> bytes:
+            reads.append((full.rsplit("/", 1)[-1], end))
+            return super()._read(full, end)
+
+    store = SpyStore(bucket_dir(trainer))
+    watcher = watch(store)
+    snap = watcher.snapshot()
+    assert any("00000003.json" in p and "larger than" in p for p in snap.problems)
+    assert [r.version for r in snap.records] == [1, 2, 4]
+    assert ("00000003.json", MAX_RECORD_BYTES + 1) in reads
+    reads.clear()
+    watcher._cache.manifest_bytes = None  # force a full poll
+    watcher.snapshot()
+    assert not [r for r in reads if r[0] == "00000003.json"]
 
 
 def test_corrupt_manifest_then_repaired(trainer):

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 
 from deltasync.errors import StoreError
-from deltasync.store import MissingFile, Store
+from deltasync.store import Conflict, MissingFile, Store
 
 MakeStore = Callable[[str], Store]
 
@@ -44,6 +44,7 @@ BAD_PATHS = {
 METHODS = {
     "put": lambda s, p: s.put(p, b"payload"),
     "publish": lambda s, p: s.publish(p, b"payload"),
+    "swap": lambda s, p: s.swap(p, b"payload", expected=None),
     "get": lambda s, p: s.get(p),
     "get_range": lambda s, p: s.get_range(p, 0, 1),
     "size": lambda s, p: s.size(p),
@@ -61,6 +62,10 @@ DIGITS = b"0123456789"
 
 class StoreConformance:
     """Behaviour every `Store` backend shares."""
+
+    # Whether racing threads may be asserted to have one winner: moto checks `If-Match` and
+    # writes in two steps, so it lets racers through that S3 itself refuses.
+    atomic_races = True
 
     @pytest.fixture
     def store(self, make_store: MakeStore) -> Store:
@@ -309,6 +314,69 @@ class StoreConformance:
         store.publish("manifest.json", b'{"version": 1, "padding": "xxxxxxxx"}')
         store.publish("manifest.json", b'{"version": 2}')
         assert store.get("manifest.json") == b'{"version": 2}'
+
+    # swap (the manifest's compare-and-swap commit)
+
+    def test_swap_creates_only_when_missing(self, store: Store) -> None:
+        store.swap("manifest.json", b"first", expected=None)
+        assert store.get("manifest.json") == b"first"
+        with pytest.raises(Conflict):
+            store.swap("manifest.json", b"second", expected=None)
+        assert store.get("manifest.json") == b"first"
+        assert store.list() == ["manifest.json"]
+
+    def test_swap_replaces_only_the_expected_bytes(self, store: Store) -> None:
+        store.publish("manifest.json", b"v1")
+        store.swap("manifest.json", b"v2", expected=b"v1")
+        assert store.get("manifest.json") == b"v2"
+        for stale in (b"v1", None, b"v2-but-longer", b""):
+            with pytest.raises(Conflict):
+                store.swap("manifest.json", b"v3", expected=stale)
+        assert store.get("manifest.json") == b"v2"
+
+    def test_swap_finding_its_own_bytes_succeeded(self, store: Store) -> None:
+        """A retry after a lost answer finds the write in place: success, not a conflict."""
+        store.swap("manifest.json", b"mine", expected=None)
+        store.swap("manifest.json", b"mine", expected=None)
+        assert store.get("manifest.json") == b"mine"
+
+    def test_swap_is_never_retried_on_conflict(self, store: Store, monkeypatch) -> None:
+        store.publish("manifest.json", b"theirs")
+        slept = []
+        monkeypatch.setattr(time, "sleep", slept.append)
+        with pytest.raises(Conflict, match="swap"):
+            store.swap("manifest.json", b"mine", expected=b"old")
+        assert [s for s in slept if s >= 0.5] == []
+
+    def test_racing_swaps_one_wins_per_round(self, store: Store) -> None:
+        """Writers racing from the same base: exactly one replaces it each round (strict
+        backends); a best-effort backend may let two believe they won, never a torn object."""
+        store.swap("manifest.json", b"round-0", expected=None)
+        wins: list[int] = []
+        for round_ in range(1, 6):
+            base = store.get("manifest.json")
+            barrier = threading.Barrier(4)
+
+            def write(
+                writer: int, base: bytes = base, round_: int = round_, barrier=barrier
+            ) -> None:
+                barrier.wait(timeout=10)
+                try:
+                    store.swap("manifest.json", b"round-%d-w%d" % (round_, writer), expected=base)
+                    wins.append(writer)
+                except Conflict:
+                    pass
+
+            threads = [threading.Thread(target=write, args=(w,)) for w in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=30)
+            final = store.get("manifest.json")
+            assert final.startswith(b"round-%d-w" % round_)
+            if store.conditional_writes and self.atomic_races:
+                assert len(wins) == 1 and final == b"round-%d-w%d" % (round_, wins[0])
+            wins.clear()
 
     # path validation
 

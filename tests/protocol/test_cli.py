@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import torch
 from model_steps import AdamWLoop, tiny_qwen3, trl_v1_write
 
 from deltasync.cli import main
+from deltasync.manifest import read_manifest
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
 from deltasync.snapshot import Bf16Snapshot
@@ -110,3 +112,32 @@ def test_module_entry_point_runs(bucket):
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_gc_lists_then_removes_only_unreferenced_chain_files(bucket, tmp_path, capsys):
+    """Garbage: a killed attempt's delta, a replaced run's anchor. Kept: every file the
+    manifest names, metrics records, an upload a live publisher may be about to commit, and
+    anything that is not a chain file."""
+    shutil.copytree(bucket[0], tmp_path / "b")
+    store = LocalStore(tmp_path / "b")
+    named = read_manifest(store).referenced_paths()
+    planted = {
+        "runs/cli-run/deltas/00000007-0123456789ab.safetensors": True,  # a failed attempt's
+        "runs/old-run/anchors/00000001-0123456789ab.safetensors": True,  # a replaced run's
+        "runs/cli-run/deltas/00000010-0123456789ab.safetensors": False,  # in flight
+        "runs/cli-run/metrics/00000099.json": False,
+        "runs/cli-run/deltas/notes.txt": False,
+    }
+    for path in planted:
+        store.put(path, b"x" * 10)
+    before = set(store.list())
+    assert main(["gc", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    garbage = {p for p, is_garbage in planted.items() if is_garbage}
+    assert {line.split()[-1] for line in out.splitlines()[:-1]} == garbage
+    assert "2 unreferenced files" in out and "dry run" in out
+    assert set(store.list()) == before  # a dry run deletes nothing
+    assert main(["gc", str(tmp_path / "b"), "--delete", "--quiet"]) == 0
+    assert set(store.list()) == before - garbage
+    assert named <= set(store.list())
+    assert main(["verify", str(tmp_path / "b"), "--quiet"]) == 0

@@ -184,7 +184,7 @@ def test_device_mode_resumes_a_run_from_the_bucket(tmp_path):
         loop.step()
         publisher.publish(model).result(timeout=30)
     loop.step()
-    with _publisher(store) as publisher:
+    with _publisher(store, takeover=True) as publisher:
         assert publisher.publish(model).result(timeout=30).version == 3
     assert read_manifest(store).latest_version == 3
     replica = Replica()

@@ -76,7 +76,7 @@ def test_version_must_follow():
     [
         lambda m: m.pop("run_id"),
         lambda m: m.update(extra=1),
-        lambda m: m.update(protocol="deltasync/5"),
+        lambda m: m.update(protocol="deltasync/6"),
         lambda m: m.update(latest_version="7"),
         lambda m: m.update(latest_version=99),
         lambda m: m["deltas"].pop(1),
@@ -84,6 +84,11 @@ def test_version_must_follow():
         lambda m: m["deltas"][0].update(bytes=-1),
         lambda m: m.update(anchors=[]),
         lambda m: m.update(run_id="../x"),
+        lambda m: m.update(epoch=-1),
+        lambda m: m.update(epoch=True),
+        lambda m: m.update(previous="zz" * 16),
+        lambda m: m.pop("epoch"),
+        lambda m: m.update(protocol="deltasync/4"),  # a protocol-4 manifest has no fencing keys
     ],
     ids=[
         "missing-key",
@@ -96,6 +101,11 @@ def test_version_must_follow():
         "negative-size",
         "no-anchor",
         "bad-run-id",
+        "negative-epoch",
+        "bool-epoch",
+        "previous-not-hex",
+        "no-epoch",
+        "fencing-keys-in-protocol-4",
     ],
 )
 def test_malformed_manifest_is_refused(mutate):

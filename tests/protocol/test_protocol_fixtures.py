@@ -1,4 +1,4 @@
-"""Protocol versions: files of protocols 1-3 written by earlier code still read, bitwise; a
+"""Protocol versions: files of protocols 1-4 written by earlier code still read, bitwise; a
 newer file or manifest is refused with one line naming both versions."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from deltasync.state_hash import full_state_digest
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "protocol-1"
 FIXTURES_2 = Path(__file__).parents[1] / "fixtures" / "protocol-2"
 FIXTURES_3 = Path(__file__).parents[1] / "fixtures" / "protocol-3"
+FIXTURES_4 = Path(__file__).parents[1] / "fixtures" / "protocol-4"
 NEWER = f"deltasync/{int(PROTOCOL.split('/')[1]) + 1}"
 
 
@@ -122,7 +123,8 @@ def test_protocol_1_run_resumed_by_a_newer_publisher(tmp_path):
     replica = Replica()
     replica.sync(store)
     state = {n: t.clone() for n, t in replica.tensors.items()}
-    with Publisher(store, PublisherConfig(run_id="fixture-packed", write_metrics=False)) as pub:
+    config = PublisherConfig(run_id="fixture-packed", write_metrics=False, takeover=True)
+    with Publisher(store, config) as pub:
         state["embed.weight"][0, 0] += 1
         pub.publish(state).result(timeout=60)
     manifest = read_manifest(store)
@@ -142,3 +144,27 @@ def test_manifest_entry_must_name_the_files_state_digest(tmp_path):
     entry = replace(manifest.deltas[0], state_digest="0" * 32)
     with pytest.raises(FormatError, match="state digest"):
         fetch_entry(store, entry)
+
+
+def test_protocol_4_ans_bucket_replays_and_is_taken_over(tmp_path):
+    """`ans` files of protocol 4 replay with their state digests; the manifest (no fencing
+    keys) reads as epoch 0, and a newer publisher's takeover writes epoch 1 under protocol 5."""
+    shutil.copytree(FIXTURES_4 / "bucket-ans", tmp_path / "bucket")
+    store = open_store(str(tmp_path / "bucket"))
+    manifest = read_manifest(store)
+    assert manifest.protocol == "deltasync/4" and (manifest.epoch, manifest.previous) == (0, None)
+    assert [d.encoding for d in manifest.deltas] == ["ans"] * 3
+    replica = Replica()  # from version 1, every delta: anchor 3 is cheaper for a cold reader
+    for entry in (min(manifest.anchors, key=lambda a: a.version), *manifest.deltas):
+        assert replica.update(fetch_entry(store, entry), path=entry.label)
+        assert replica.state_digest.hex() == entry.state_digest
+    assert replica.version == 4
+    assert Manifest.from_json(manifest.to_json()) == manifest  # written back as protocol 4
+    config = PublisherConfig(run_id="fixture-ans", write_metrics=False, takeover=True)
+    state = {n: t.clone() for n, t in replica.tensors.items()}
+    state["layer.proj.weight"][0, 0] += 1
+    with Publisher(store, config) as publisher:
+        assert publisher.publish(state).result(timeout=60).version == 5
+    after = read_manifest(store)
+    assert (after.protocol, after.epoch, after.latest_version) == (PROTOCOL, 1, 5)
+    assert replica.sync(store) == [5]

@@ -118,7 +118,7 @@ def test_restart_resumes_the_run_from_the_manifest(tmp_path):
         for _ in range(3):
             publisher.publish(model)
             loop.step()
-    with Publisher(LocalStore(tmp_path), _config()) as restarted:
+    with Publisher(LocalStore(tmp_path), _config(takeover=True)) as restarted:
         record = restarted.publish(model).result(timeout=30)
     assert record.version == 4 and record.kind.startswith("delta")
     replica = Replica()

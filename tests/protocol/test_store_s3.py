@@ -11,7 +11,7 @@ import pytest
 import s3fs  # noqa: F401  (the s3:// store's backend, from the dev extra)
 from store_conformance import StoreConformance
 
-from deltasync.store import Store, open_store
+from deltasync.store import Conflict, Store, open_store
 
 pytestmark = pytest.mark.slow
 
@@ -57,8 +57,37 @@ def make_store(s3_endpoint):
 
 
 class TestS3Store(StoreConformance):
+    atomic_races = False  # moto's conditional put is check-then-write
+
     def test_objects_land_under_the_prefix(self, store: Store, s3_endpoint) -> None:
         _, client = s3_endpoint
         store.put("runs/a/x.bin", b"payload")
         key = store.root.split("/", 1)[1] + "/runs/a/x.bin"
         assert client.get_object(Bucket=BUCKET, Key=key)["Body"].read() == b"payload"
+
+    def test_swap_is_refused_by_s3_when_the_etag_went_stale(self, store: Store, monkeypatch):
+        """The conditional put itself, not the client's compare: the object changes between
+        the ETag read and the put, and S3 answers 412."""
+        store.publish("manifest.json", b"v1")
+        real_info = store.fs.info
+        monkeypatch.setattr(store.fs, "info", lambda path, **kw: {**real_info(path), "ETag": '"0"'})
+        with pytest.raises(Conflict, match="conditional put"):
+            store.swap("manifest.json", b"v2", expected=b"v1")
+        assert store.get("manifest.json") == b"v1"
+        monkeypatch.setattr(store.fs, "info", real_info)
+        store.swap("manifest.json", b"v2", expected=b"v1")
+        assert store.get("manifest.json") == b"v2"
+
+    def test_first_swap_is_an_exclusive_create(self, store: Store, monkeypatch):
+        """`If-None-Match: *`: a writer that saw no object loses to one that created it."""
+        store.publish("manifest.json", b"theirs")
+        real_info = store.fs.info
+
+        def missing(path, **kw):
+            raise FileNotFoundError(path)
+
+        monkeypatch.setattr(store.fs, "info", missing)
+        with pytest.raises(Conflict, match="conditional put"):
+            store.swap("manifest.json", b"mine", expected=None)
+        monkeypatch.setattr(store.fs, "info", real_info)
+        assert store.get("manifest.json") == b"theirs"

@@ -72,17 +72,19 @@ def _bury(dying: Publisher, future, gate: threading.Event) -> None:
 def test_restart_resumes_after_the_last_commit(tmp_path, fault: Fault) -> None:
     store = FaultStore(tmp_path, retry=RetryPolicy(attempts=1))
     dying, future, gate = _start_dying(store, fault)
-    leftovers = {p for p in store.list("runs") if "/00000003-" in p}
+    leftovers = {p: store.get(p) for p in store.list("runs") if "/00000003-" in p}
     assert leftovers  # the dead attempt's delta (whole, or half of it) is in the bucket
 
-    with Publisher(LocalStore(tmp_path), _config()) as restarted:
+    with Publisher(LocalStore(tmp_path), _config(takeover=True)) as restarted:
         assert restarted.publish(RESUMED[3]).result(timeout=30).version == 3
         assert restarted.publish(RESUMED[4]).result(timeout=30).version == 4
     _bury(dying, future, gate)
 
     manifest = _manifest(store)
     assert manifest.latest_version == 4 and [d.version for d in manifest.deltas] == [2, 3, 4]
-    assert not leftovers & manifest.referenced_paths()  # never named by any commit
+    assert not leftovers.keys() & manifest.referenced_paths()  # never named by any commit
+    files = {p for p in store.list("runs") if "/metrics/" not in p}
+    assert files == manifest.referenced_paths()  # the takeover removed the dead attempt's
     for entry in (*manifest.anchors, *manifest.deltas):
         fetch_entry(store, entry)  # every committed file is whole and matches its digest
     live = replica_at(CHAIN, 2)  # the last version both trainers agree on
@@ -95,7 +97,7 @@ def test_restart_resumes_after_the_last_commit(tmp_path, fault: Fault) -> None:
         replica = replica_at(CHAIN, 2)
         before = fingerprint(replica)
         with pytest.raises(FormatError):
-            replica.update(store.get(sorted(leftovers)[0]))
+            replica.update(next(iter(leftovers.values())))
         assert fingerprint(replica) == before
 
 

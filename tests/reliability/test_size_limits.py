@@ -131,6 +131,21 @@ def test_tensor_count_is_checked_before_any_entry_is_validated(monkeypatch, reco
     record_property("header_bytes", len(blob))
 
 
+def test_a_replica_that_knows_its_model_refuses_a_big_header_unparsed(monkeypatch, record_property):
+    """The header's size is bounded by the tensor set the reader holds (3 tensors here: 76 KiB)
+    before its JSON is read: 100,000 entries (5 MB of header) cost nothing to refuse, where a
+    reader that knows no model would parse them first (RELIABILITY.md: 8.3 s at 10^6)."""
+    entry = {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}
+    blob = join({f"t{i}": entry for i in range(100_000)}, b"")
+    parsed = []
+    monkeypatch.setattr(header_module.json, "loads", lambda raw: parsed.append(raw) or {})
+    message, peak = _refused(replica_at(CHAIN, 1), blob)
+    assert "what this reader's model can need" in message and parsed == []
+    assert peak < 64 * 1024
+    record_property("peak_bytes", peak)
+    record_property("header_bytes", len(blob))
+
+
 @pytest.mark.parametrize(
     ("dims", "changed"),
     [([2**20, 2**20], 2**40), ([2**40], 5), ([32, 16], 2**40)],

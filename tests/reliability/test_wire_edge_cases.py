@@ -10,6 +10,7 @@ import pytest
 from wire_samples import bitwise_equal, build_chain, fingerprint, join, replica_at, split
 
 from deltasync.codec import read_metadata
+from deltasync.codec.header import header_budget
 from deltasync.errors import FormatError
 from deltasync.manifest import Manifest
 
@@ -47,7 +48,16 @@ def _with_tensor_entries(blob: bytes, edit) -> bytes:
 
 @pytest.mark.parametrize("depth", [1_000, 100_000])
 def test_deeply_nested_header(depth: int) -> None:
-    assert "not valid JSON" in _refused(_raw_header("[" * depth + "]" * depth))
+    blob = _raw_header("[" * depth + "]" * depth)
+    assert "not valid JSON" in _refused(blob, start=None)  # a reader that knows no model
+    assert _budget_or(blob, "not valid JSON") in _refused(blob)
+
+
+def _budget_or(blob: bytes, parsed: str) -> str:
+    """What a replica holding the 3-tensor model says: headers past what its model can need
+    are refused by their length, unread; smaller ones fail as `parsed`."""
+    fits = len(blob) - 8 <= header_budget(len(CHAIN.states[1]))
+    return parsed if fits else "what this reader's model can need"
 
 
 def test_header_number_longer_than_python_parses() -> None:
@@ -69,7 +79,9 @@ def test_version_that_is_not_plain_ascii_decimal(version: str) -> None:
 
 @pytest.mark.parametrize("text", ["[" * 100_000, '{"a.weight":[[' + "7" * 5000 + "]]}"])
 def test_tensors_metadata_that_python_cannot_parse(text: str) -> None:
-    assert "'tensors' is not JSON" in _refused(_with_metadata(DELTA, tensors=text))
+    blob = _with_metadata(DELTA, tensors=text)
+    assert "'tensors' is not JSON" in _refused(blob, start=None)
+    assert _budget_or(blob, "'tensors' is not JSON") in _refused(blob)
 
 
 def test_read_metadata_refuses_the_same_headers() -> None:

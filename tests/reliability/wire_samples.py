@@ -143,11 +143,13 @@ def publish_chain(
     encoding: str = "packed",
     versions: range | None = None,
 ) -> list[SyncRecord]:
-    """Publish the chain's states through the real `Publisher` (waiting for each commit)."""
+    """Publish the chain's states through the real `Publisher` (waiting for each commit); a
+    range of versions after the first continues the bucket's run (a takeover)."""
     config = PublisherConfig(
         run_id=chain.run_id,
         encoding=encoding,
         policy=policy or AnchorPolicy(interval=3, max_delta_fraction=None, keep_anchors=2),
+        takeover=versions is not None and versions.start > 1,
     )
     with Publisher(store, config) as publisher:
         return [

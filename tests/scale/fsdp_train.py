@@ -115,6 +115,7 @@ def main() -> None:
         policy=AnchorPolicy(
             interval=args.anchor_interval, max_delta_fraction=None, keep_anchors=args.keep_anchors
         ),
+        takeover=args.resume,
     )
     shards = ShardGroup()
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,15 +1,17 @@
 """The trainer process killed mid-run (SIGKILL of its process group, no shutdown code) and started
-again with the same `--run-id`: it resumes the run from the bucket's manifest, so versions
-continue right after the last committed one (none skipped, none published twice), and the
-replica that kept serving follows the new versions and is verified bitwise after each."""
+again with the same `--run-id`: refused in one line without `--takeover`; with it, it resumes
+the run from the bucket's manifest, so versions continue right after the last committed one
+(none skipped, none published twice), and the replica that kept serving follows the new versions
+and is verified bitwise after each."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import pytest
-from trainer_cli import TOKEN, metrics, run_trainer, train_command, trainer_process, wait_until
+from trainer_cli import ENV, TOKEN, metrics, run_trainer, train_command, trainer_process, wait_until
 
 from deltasync.manifest import read_manifest
 from deltasync.replica import Replica
@@ -35,6 +37,11 @@ def test_trainer_killed_and_restarted_resumes_the_run(tmp_path, tiny_model_dir, 
         committed = read_manifest(open_store(str(bucket))).latest_version
         assert 3 <= committed < 21  # killed mid-run
         second = train_command(tmp_path, tiny_model_dir, [url], steps=2, run_id=run)
+        refused = subprocess.run(second, capture_output=True, text=True, timeout=300, env=ENV)
+        assert refused.returncode != 0  # the run is in the bucket: only --takeover continues it
+        assert "pass --takeover to continue it" in refused.stderr.strip().splitlines()[-1]
+        assert read_manifest(open_store(str(bucket))).latest_version == committed
+        second += ["--takeover"]
         log = run_trainer(second, tmp_path / "second.log")
     assert f"resuming run {run} at version {committed}" in log
     resumed = [r for r in metrics(bucket, run) if r["version"] > committed]

@@ -47,8 +47,8 @@ class SlowStore(LocalStore):
         with self._lock:
             self.uploads.append((path, start, time.perf_counter()))
 
-    def publish(self, path, data):
-        super().publish(path, data)
+    def swap(self, path, data, *, expected):  # the manifest's commit
+        super().swap(path, data, expected=expected)
         with self._lock:
             self.commits.append(Manifest.from_json(data).latest_version)
 

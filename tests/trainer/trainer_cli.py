@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 TOKEN = f"test-{secrets.token_hex(16)}"
+ENV = dict(os.environ, DELTASYNC_API_KEY=TOKEN, TRL_EXPERIMENTAL_SILENCE="1")  # the trainer's
 T = TypeVar("T")
 
 
@@ -35,10 +36,9 @@ def train_command(
 def trainer_process(cmd: list[str], log: Path) -> Iterator[subprocess.Popen]:
     """The trainer in a process group of its own (with its rollout child); killed if still
     running when the block ends."""
-    env = dict(os.environ, DELTASYNC_API_KEY=TOKEN, TRL_EXPERIMENTAL_SILENCE="1")
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         yield proc

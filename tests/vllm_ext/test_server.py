@@ -60,7 +60,8 @@ class Trainer:
 
     def _publisher(self) -> Publisher:
         policy = AnchorPolicy(interval=6, max_delta_fraction=None, keep_anchors=2)
-        config = PublisherConfig(RUN_ID, encoding=self.encoding, policy=policy)
+        # a later one (another encoding) takes the run over from the bucket
+        config = PublisherConfig(RUN_ID, encoding=self.encoding, policy=policy, takeover=True)
         return Publisher(self.store, config)
 
     def use_encoding(self, encoding: str) -> None:

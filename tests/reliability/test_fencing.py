@@ -1,0 +1,175 @@
+"""Publisher fencing: one owner per run, a commit is a compare-and-swap on the manifest, a
+takeover fences the previous owner at once, and a reader on a fork is refused."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import queue
+
+import pytest
+from racing import POLICY, race
+from wire_samples import RUN, bitwise_equal, build_chain, stepped
+
+from deltasync.digest import bytes_digest
+from deltasync.errors import ChainError, Fenced, PublishError
+from deltasync.garbage import find_unreferenced
+from deltasync.manifest import MANIFEST_PATH, Manifest, read_manifest
+from deltasync.publisher import Publisher, PublisherConfig
+from deltasync.replica import Replica
+from deltasync.store import LocalStore, open_store
+
+CHAIN = build_chain(6)
+
+
+def _config(**kw) -> PublisherConfig:
+    return PublisherConfig(RUN, policy=POLICY, write_metrics=False, **kw)
+
+
+def _publish(store, states, **kw) -> Publisher:
+    publisher = Publisher(store, _config(**kw))
+    for state in states:
+        publisher.publish(state).result(timeout=30)
+    return publisher
+
+
+def test_a_second_publisher_of_the_run_is_refused_in_one_line(tmp_path):
+    store = LocalStore(tmp_path)
+    first = _publish(store, [CHAIN.states[1], CHAIN.states[2]])
+    before = store.get(MANIFEST_PATH)
+    second = Publisher(store, _config())
+    with pytest.raises(PublishError) as info:
+        second.claim()
+    message = str(info.value)
+    assert "\n" not in message and "--takeover" in message and "version 2" in message
+    assert store.get(MANIFEST_PATH) == before  # nothing changed
+    assert first.publish(CHAIN.states[3]).result(timeout=30).version == 3  # the owner goes on
+    first.close()
+
+
+def test_takeover_fences_the_old_publisher_at_once(tmp_path):
+    store = LocalStore(tmp_path)
+    old = _publish(store, [CHAIN.states[1], CHAIN.states[2]])
+    new = Publisher(store, _config(takeover=True))
+    new.claim()
+    manifest = read_manifest(store)
+    assert (manifest.latest_version, manifest.epoch) == (2, 2)  # same versions, next epoch
+    with pytest.raises(Fenced) as info:  # the old one's very next commit
+        old.publish(CHAIN.states[3]).result(timeout=30)
+    message = str(info.value)
+    assert "\n" not in message and "epoch 2" in message and "--takeover" in message
+    with pytest.raises(Fenced):  # and every later one: it never commits again
+        old.publish(CHAIN.states[3])
+    assert new.publish(CHAIN.states[3]).result(timeout=30).version == 3
+    new.close()
+    old.close()
+    replica = Replica()
+    assert replica.sync(store) == [1, 2, 3]
+    assert bitwise_equal(replica.tensors, CHAIN.states[3])
+    manifest = read_manifest(store)
+    # the old one's upload of version 3 lost to the new one's: garbage that `gc` finds
+    (orphan,) = set(store.list(f"runs/{RUN}")) - manifest.referenced_paths()
+    assert find_unreferenced(store, manifest) == [orphan] and "/00000003-" in orphan
+
+
+def test_every_commit_names_the_manifest_it_replaced(tmp_path):
+    store = LocalStore(tmp_path)
+    publisher = Publisher(store, _config())
+    seen = [None]
+    for version in (1, 2, 3):
+        publisher.publish(CHAIN.states[version]).result(timeout=30)
+        seen.append(store.get(MANIFEST_PATH))
+    publisher.close()
+    for before, after in itertools.pairwise(seen):
+        expected = Manifest.from_json(after)
+        assert expected.previous == (None if before is None else bytes_digest(before))
+        assert expected.epoch == 1
+
+
+def test_a_new_run_replaces_another_and_fences_its_publisher(tmp_path):
+    store = LocalStore(tmp_path)
+    old = _publish(store, [CHAIN.states[1]])
+    new = Publisher(store, PublisherConfig("run-2", policy=POLICY, write_metrics=False))
+    assert new.publish(CHAIN.states[4]).result(timeout=30).version == 1
+    with pytest.raises(Fenced, match="run run-2 at version 1"):
+        old.publish(CHAIN.states[2]).result(timeout=30)
+    new.close()
+    old.close()
+    assert read_manifest(store).run_id == "run-2" and read_manifest(store).epoch == 2
+
+
+def test_a_commit_lost_between_read_and_write_is_fenced(tmp_path):
+    """The compare-and-swap itself: another writer replaced the manifest after this publisher
+    last wrote it; the commit is refused, and its upload is left for whoever owns the bucket
+    now (it could be uploading the same file), whose takeover removes it."""
+    store = LocalStore(tmp_path)
+    publisher = _publish(store, [CHAIN.states[1]])
+    intruder = read_manifest(store).committed_after(store.get(MANIFEST_PATH), 7)
+    store.publish(MANIFEST_PATH, intruder.to_json())
+    with pytest.raises(Fenced, match="epoch 7"):
+        publisher.publish(CHAIN.states[2]).result(timeout=30)
+    publisher.close()
+    assert read_manifest(store) == intruder
+    left = [p for p in store.list("runs") if "/deltas/" in p]
+    assert len(left) == 1 and find_unreferenced(store, intruder) == []  # in flight: not gc's
+    Publisher(store, _config(takeover=True)).claim()
+    assert store.list("runs") == sorted(intruder.referenced_paths())
+
+
+def test_two_publisher_processes_race_for_100_rounds(tmp_path):
+    """Two processes take the run over and publish every round: a version is committed once
+    or not at all, the loser's error is one line, and the chain replays bitwise."""
+    rounds = 100
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(2), context.Queue()
+    sides = [
+        context.Process(target=race, args=(side, str(tmp_path), rounds, barrier, results))
+        for side in (1, 2)
+    ]
+    for process in sides:
+        process.start()
+    outcomes = []
+    try:
+        for _ in range(2 * rounds):
+            outcomes.append(results.get(timeout=300))
+    except queue.Empty:
+        pytest.fail(f"the racing processes stopped after {len(outcomes)} outcomes")
+    finally:
+        for process in sides:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    committed: dict[int, set[str]] = {}
+    losses = []
+    for _round, _side, kind, detail in outcomes:
+        if kind == "committed":
+            committed.setdefault(detail[0], set()).add(detail[1])
+        else:
+            losses.append(detail)
+    assert all(len(digests) == 1 for digests in committed.values()), committed
+    assert losses and all("\n" not in loss for loss in losses)
+    manifest = read_manifest(open_store(str(tmp_path)))
+    assert manifest.latest_version == max(committed) == len(committed)
+    replica = Replica()
+    replica.sync(open_store(str(tmp_path)))
+    assert replica.state_digest.hex() == next(iter(committed[manifest.latest_version]))
+    for entry in (*manifest.anchors, *manifest.deltas):  # retained versions are the winners'
+        assert {entry.state_digest} == committed[entry.version]
+
+
+def test_a_reader_on_a_fork_is_refused_before_downloading(tmp_path):
+    """Best-effort stores (Hub buckets) can lose a race: a replica holding the other writer's
+    version 2 is told so by the digests, not handed a delta it cannot verify."""
+    store = LocalStore(tmp_path)
+    publisher = _publish(store, [CHAIN.states[1], CHAIN.states[2], CHAIN.states[3]])
+    publisher.close()
+    forked = Replica()
+    other = Publisher(LocalStore(tmp_path / "other"), _config())
+    other.publish(CHAIN.states[1]).result(timeout=30)
+    other.publish(stepped(CHAIN.states[1], 77)).result(timeout=30)
+    other.close()
+    forked.sync(LocalStore(tmp_path / "other"))
+    assert forked.version == 2
+    with pytest.raises(ChainError, match="fork"):
+        forked.sync(store)
+    assert forked.version == 2
