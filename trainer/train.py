@@ -34,6 +34,7 @@ from deltasync.vllm_ext.client import ReplicaClient
 from . import defaults
 from .auth_proxy import AuthProxy
 from .envs import ENVIRONMENTS, environment_factory
+from .resume import BucketWeights, latest_checkpoint, load_into
 from .rewards import RewardCallback, StepRewards
 from .sharded import fsdp2_launched, sharded_trainer_class
 from .tasks import DEFAULT_CHARS, sanity_dataset, sanity_reward
@@ -67,8 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--takeover",
         action="store_true",
-        help="continue the bucket's run of --run-id from its last committed version; a trainer "
-        "still publishing it fails its next commit (without this flag such a start is refused)",
+        help="continue the bucket's run of --run-id from its last committed version and weights "
+        "(fresh optimizer); a trainer still publishing it fails its next commit (without this "
+        "flag such a start is refused)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="like --takeover, but restore optimizer, scheduler and rollout position from the "
+        "newest TRL checkpoint in --output-dir; refused unless its weights are the bucket's last "
+        "committed version",
+    )
+    p.add_argument(
+        "--save-steps",
+        type=int,
+        default=0,
+        help="save a TRL checkpoint every N steps and at the end, for --resume (default 0: none)",
     )
     p.add_argument(
         "--vllm-server-url",
@@ -178,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sharded = fsdp2_launched()  # FSDP2 ranks: each publishes its own rows
     if sharded and args.verify_replicas:
         raise SystemExit("--verify-replicas hashes whole tensors, which no FSDP2 rank holds")
+    if sharded and args.resume:
+        raise SystemExit("--resume is not supported with FSDP2 ranks yet; use --takeover")
     shards = ShardGroup() if sharded else None
     run_id = args.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     if shards is not None:
@@ -193,10 +210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_metrics=False,  # the transfer writes each record once, replicas and reward in
             # version 1 names the checkpoint when the weights still equal it (no full upload)
             source=None if sharded or args.full_first_anchor else resolve_source(model),
-            takeover=args.takeover,
+            takeover=args.takeover or args.resume,
         ),
         shards=shards,
     )
+    # refusals before the claim leave the bucket as it was
+    weights, checkpoint = _continued(args, publisher) if not sharded else (None, None)
     try:  # before any training work: a second trainer on the run is refused in one line
         publisher.claim()
     except PublishError as exc:
@@ -217,11 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if sharded:
         trainer.rank_publisher = publisher
+    if weights is not None and checkpoint is None:
+        load_into(trainer.model, weights)
+        log.info("continuing run %s from version %d", weights.run_id, weights.version)
     trainer.add_callback(RewardCallback(rewards))
     trainer.add_callback(_DrainRollouts(trainer))
     log.info("run %s: %d steps, bucket %s, replicas %s", run_id, args.steps, args.bucket, urls)
     with stack:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=checkpoint)
     if sharded and not trainer.accelerator.is_main_process:
         publisher.close(timeout=600)  # rank 0's transfer closes its own
     lagging = sorted(transfer.state.lagging)
@@ -233,6 +255,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         f", lagging {lagging}" if lagging else "",
     )
     return 1 if lagging else 0
+
+
+def _continued(
+    args: argparse.Namespace, publisher: Publisher
+) -> tuple[BucketWeights | None, str | None]:
+    """With --takeover or --resume on a run the bucket holds: its last committed weights, and
+    for --resume the TRL checkpoint holding exactly them (else a one-line refusal)."""
+    if not (args.takeover or args.resume):
+        return None, None
+    weights = BucketWeights.read(publisher.store, publisher.config.run_id)
+    if weights is None:  # a new run: nothing to continue
+        if args.resume:
+            raise SystemExit(f"error: --resume: the bucket holds no run {publisher.config.run_id}")
+        return None, None
+    if not args.resume:
+        return weights, None
+    checkpoint = latest_checkpoint(args.output_dir)
+    weights.check_checkpoint(checkpoint)
+    log.info("resuming run %s at version %d from %s", weights.run_id, weights.version, checkpoint)
+    return weights, str(checkpoint)
 
 
 def _task(args: argparse.Namespace, tokenizer) -> dict:

@@ -47,6 +47,7 @@ def test_trainer_killed_and_restarted_resumes_the_run(tmp_path, tiny_model_dir, 
     resumed = [r for r in metrics(bucket, run) if r["version"] > committed]
     # The restarted trainer's initial sync and its 2 steps, each once, right after `committed`.
     assert [r["version"] for r in resumed] == [committed + 1, committed + 2, committed + 3]
+    assert resumed[0]["changed_elements"] == 0  # it trains on from the bucket's weights
     for record in resumed:
         assert all(s["ok"] for s in record["replicas"].values()), record
     store = open_store(str(bucket))
