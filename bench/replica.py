@@ -98,10 +98,10 @@ def run(args: argparse.Namespace) -> dict:
         _model_dir(work / "model", args.model, bucket / anchor.anchor_path)
         rows, reloads = [], []
         reload_args = ("--load-format", "safetensors")  # reload_weights refuses dummy weights
-        with served(work / "model", bucket, work / "server.log", vllm_args=reload_args) as (
-            client,
-            proc,
-        ):
+        # the full-reload baseline pauses and reloads through vLLM's own dev routes
+        with served(
+            work / "model", bucket, work / "server.log", vllm_args=reload_args, dev_routes=True
+        ) as (client, proc):
             bootstrap = client.status()["last_update"]
             for _ in range(args.repeat):
                 with PeakRss(proc) as rss:

@@ -36,12 +36,20 @@ def served(
     token: str | None = None,
     vllm_args: tuple[str, ...] = (),
     port: int | None = None,
+    dev_routes: bool = False,
+    serve_args: tuple[str, ...] = (),
 ) -> Iterator[tuple[ReplicaClient, psutil.Process]]:
-    """Start a replica that bootstraps from `bucket`; yields its client and process once ready."""
+    """Start a replica that bootstraps from `bucket`; yields its client and process once ready.
+
+    `dev_routes`: also let this (loopback) client reach vLLM's dev routes (/pause, any
+    `/collective_rpc` method, ...), which a benchmark's baseline needs; weights still change
+    only through the sync route otherwise. `serve_args`: more launcher flags (before `--`)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "deltasync.vllm_ext.serve", "--model", str(model_dir)]
     cmd += ["--bucket", str(bucket), "--port", str(port)]
     cmd += [] if token else ["--insecure-no-auth"]
+    cmd += ["--dev-routes"] if dev_routes else []
+    cmd += list(serve_args)
     cmd += ["--", "--max-model-len", "512", "--max-num-seqs", "4", "--disable-log-stats"]
     cmd += list(vllm_args)
     env = dict(os.environ, DELTASYNC_API_KEY=token or "")

@@ -3,8 +3,10 @@
 TRL calls `pause()`, `send_weights(iterator)`, `resume()` after each optimizer step. Here `pause`
 and `resume` are no-ops: `send_weights` only diffs the live weights (bitwise, against the last
 published bf16 snapshot) and hands the version to the background. A sync thread then waits for
-the commit and, for every replica in parallel, stages the file while it serves, pauses it, applies
-and verifies, and resumes it. A replica counts as synced at version v only once it reports v.
+the commit and, for every replica in parallel, has it stage the file while it serves, then sends
+its one sync request (`ReplicaClient.sync_to`): the replica pauses, applies, verifies, records the
+version and resumes by itself, with no round trip to the trainer inside the pause. A replica
+counts as synced at version v only once it reports v.
 Then it writes the version's one metrics record (`deltasync.metrics.SyncRecord`): the publisher's
 fields, every replica's outcome, and the reward TRL logged at the step that produced the version
 (`trainer.rewards`); the publisher itself writes none (`PublisherConfig(write_metrics=False)`).

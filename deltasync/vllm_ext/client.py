@@ -6,6 +6,9 @@ Used by the launcher's bootstrap, the trainer's weight transfer and the tests:
     client.init("/tmp/bucket")
     client.sync_to(7, path="runs/r/deltas/00000007-....safetensors")
     assert client.weight_version() == "7"
+
+Weights change only through `sync_to`, one `POST /deltasync/sync` that the server runs in process
+(stage, pause, apply, verify, record, resume; `control`); the other calls read or prefetch.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from ..errors import DeltaSyncError
+from ..errors import DeltaSyncError, FormatError
 from ..state_digest import StateDigest, total
+from .control import SYNC_PATH
+from .protocol import merge_statuses
 
 __all__ = ["ReplicaClient", "ReplicaError"]
 
@@ -35,7 +40,7 @@ class ReplicaError(DeltaSyncError):
 
 
 class ReplicaClient:
-    """Drives one server: control routes, the `deltasync_*` RPCs, completions.
+    """Drives one server: the sync route, the read-only `deltasync_*` RPCs, completions.
 
     Args:
         base_url: e.g. `http://127.0.0.1:8001` or `https://user-space.hf.space`.
@@ -110,22 +115,10 @@ class ReplicaClient:
         return self._merged(self.rpc_all("deltasync_status"))
 
     def _merged(self, results: list[Any]) -> dict[str, Any]:
-        if not all(isinstance(r, dict) and isinstance(r.get("staging"), dict) for r in results):
-            raise ReplicaError("workers sent no status", url=self.base_url, body=str(results))
-        first = results[0]
-        for key in ("run_id", "version", "state_digest"):
-            if any(r.get(key) != first.get(key) for r in results[1:]):
-                raise ReplicaError(
-                    f"workers disagree on {key}", url=self.base_url, body=str(results)
-                )
-        staging = {}
-        for version in {v for r in results for v in r["staging"]}:
-            states = [str(r["staging"].get(version, "missing")) for r in results]
-            staging[version] = next(
-                (s for s in states if s.startswith("failed")),
-                next((s for s in states if s != "ready"), "ready"),
-            )
-        return first | {"staging": staging}
+        try:
+            return merge_statuses(results)
+        except FormatError as exc:
+            raise ReplicaError(str(exc), url=self.base_url, body=str(results)) from None
 
     def digests(self) -> dict[str, Any]:
         """`{"run_id", "version", "source", "digests": {hf_name: xxh3-128}}` of served weights.
@@ -168,7 +161,8 @@ class ReplicaClient:
     # -- weight sync ---------------------------------------------------------------------------
 
     def init(self, bucket: str, **options: bool | int) -> None:
-        """Point the backend at a bucket (credentials stay in the server's environment)."""
+        """Point the backend at a bucket (credentials stay in the server's environment). Once it
+        follows one, only `prepack` and `recompute_every` may change: another bucket is 403."""
         self.request(
             "POST", "/init_weight_transfer_engine", {"init_info": {"bucket": bucket, **options}}
         )
@@ -187,32 +181,30 @@ class ReplicaClient:
             time.sleep(poll_s)
 
     def sync_to(
-        self, version: int, path: str | None = None, *, pause: str | None = "keep"
-    ) -> dict[str, float]:
-        """Stage while serving, then pause, apply, record `version`, clear the prefix cache and
-        resume; returns timings. On failure the server keeps its previous version and resumes.
+        self, version: int, path: str | None = None, *, stage_timeout_s: float = 600.0
+    ) -> dict[str, Any]:
+        """Bring the server to `version`: prefetch it (staging, polled in short requests while
+        the server serves), then one `POST /deltasync/sync`, which pauses, applies, verifies,
+        records the version, clears the prefix cache and resumes inside the server. On failure
+        the server keeps its previous version and resumes; the error is a `ReplicaError`.
 
-        Args:
-            pause: vLLM pause mode (`keep` freezes in-flight requests), or None not to pause
-                (bootstrap, when no traffic is admitted yet).
+        Returns the server's answer (`version`, `pause_s`, `bytes`, `files`, `swapped`, ...)
+        with `stage_s` the whole time spent staging and `staged` whether the prefetch was ready.
         """
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         self.stage(version, path)
-        staged = self.wait_staged(version)
-        t1 = time.perf_counter()
-        if pause:
-            self.request("POST", "/pause", query={"mode": pause})
-        try:
-            self.request("POST", "/start_weight_update")
-            info: dict[str, Any] = {"version": version} | ({"path": path} if path else {})
-            self.request("POST", "/update_weights", {"update_info": info})
-            self.request("POST", "/finish_weight_update", {"weight_version": str(version)})
-            self.request("POST", "/reset_prefix_cache")
-        finally:
-            if pause:
-                self.request("POST", "/resume")
-        t2 = time.perf_counter()
-        return {"stage_s": t1 - t0, "pause_s": t2 - t1, "staged": staged == "ready"}
+        staged = self.wait_staged(version, timeout_s=stage_timeout_s)
+        prefetch_s = time.perf_counter() - started
+        body: dict[str, Any] = {"version": version} | ({"path": path} if path else {})
+        answer = self.request("POST", SYNC_PATH, body)
+        if not isinstance(answer, dict) or answer.get("version") != version:
+            raise ReplicaError(
+                f"sync to version {version} answered no such version",
+                url=self.base_url + SYNC_PATH,
+                body=str(answer),
+            )
+        stage_s = prefetch_s + float(answer.get("stage_s") or 0.0)
+        return answer | {"stage_s": stage_s, "staged": staged == "ready"}
 
     # -- generation ------------------------------------------------------------------------------
 

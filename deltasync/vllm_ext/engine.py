@@ -1,12 +1,12 @@
 """The `deltasync` weight-transfer engine for vLLM 0.32: follow a bucket of anchors and deltas.
 
 Registered with `WeightTransferEngineFactory` when `deltasync.vllm_ext.worker` is imported. Life
-of one version, driven over HTTP (see `client.ReplicaClient.sync_to`):
+of one version, driven by the sync route (`control.ControlPlane.sync`, in the API server process):
 
-1. `deltasync_stage(version, path)` (a `/collective_rpc` method) starts a background download,
-   decode and digest check (and on CPU the packing of touched modules) while the model serves;
-2. `/start_weight_update`, `/update_weights {"version": v}` waits for that staging (or stages
-   now) and commits it (the pause); `/finish_weight_update {"weight_version": "v"}` records it.
+1. `stage(version, path)` starts a background download, decode and digest check (and on CPU the
+   packing of touched modules) while the model serves; the route waits until it settled;
+2. inside the route's pause, `update_weights({"version": v})` takes that staging (or stages now)
+   and commits it; the route then records the version this engine reports holding.
 
 A replica further behind (or empty, at bootstrap) replays the bucket's chain up to `version`.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,14 +41,15 @@ from ..store import Store, open_store
 from . import BACKEND
 from .device import InPlaceSink
 from .layout import tp_layout
-from .protocol import InitInfo, UpdateInfo, parse_message, parse_version
+from .protocol import InitInfo, UpdateInfo, parse_message
 from .shadow import ShadowSink, vllm_reloader
 from .swap import CpuGemmSwapper
 
-__all__ = ["DeltaSyncEngine", "register"]
+__all__ = ["MAX_STAGED", "DeltaSyncEngine", "register"]
 
 log = logging.getLogger(__name__)
 STAGE_TIMEOUT_S = 900.0
+MAX_STAGED = 4  # staging slots kept at once (the trainer needs one or two)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.state: Replica | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltasync-stage")
         self._staging: dict[int, Future[_Prepared]] = {}
+        self._draining: list[Future[_Prepared]] = []  # evicted while running: still read state
         self._lock = threading.Lock()
         self.last_update: dict[str, Any] = {}
         parallel = self.parallel_config
@@ -92,8 +95,28 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateInfo:
         return parse_message(UpdateInfo, update_dict, "update_info")
 
+    def init_refusal(self, init_info: InitInfo) -> str | None:
+        """Why `init_info` may not replace the current one (None: it may). Once a bucket is
+        followed, only `prepack` and `recompute_every` may change: a bootstrapped replica is
+        never re-pointed at another bucket, nor made to skip verification or accept legacy
+        files."""
+        current = self.info
+        if current is None:
+            return None
+        if not _same_bucket(current.bucket, init_info.bucket):
+            return (
+                f"this replica follows {current.bucket}; it cannot be pointed at "
+                f"{init_info.bucket} (restart it with the other --bucket)"
+            )
+        for name in ("verify", "allow_legacy"):
+            if getattr(current, name) != getattr(init_info, name):
+                return f"{name} is {getattr(current, name)} for this replica and cannot change"
+        return None
+
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         """Open the bucket (credentials come from this process's environment)."""
+        if refusal := self.init_refusal(init_info):
+            raise FormatError(refusal)
         self.store = open_store(init_info.bucket)
         self.info = init_info
         if self.state is None:
@@ -134,18 +157,37 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             self._boxes[key] = {n: slot.box for n, slot in layout.items()}
         return self._boxes[key]
 
-    # -- staging (called through /collective_rpc while serving) --------------------------------
+    # -- staging (while serving) ----------------------------------------------------------------
 
     def stage(self, version: int, path: str | None = None) -> dict[str, Any]:
-        """Start fetching, decoding and validating `version` in the background."""
+        """Start fetching, decoding and validating `version` in the background (idempotent).
+
+        A slot that failed, was cancelled, or was prepared from a state this replica no longer
+        holds is submitted again, so an error is never replayed; slots at or below the held
+        version and, past `MAX_STAGED`, the oldest others are dropped."""
         store, state = self._ready()
         with self._lock:
-            self._staging = {v: f for v, f in self._staging.items() if v >= version}
-            if version not in self._staging:
+            self._evict(keep=version)
+            future = self._staging.get(version)
+            if future is None or not _usable(future, (state.run_id, state.version)):
+                self._staging.pop(version, None)  # a new slot goes last (the newest)
                 self._staging[version] = self._pool.submit(
                     self._prepare, store, state, version, path
                 )
         return self.status()
+
+    def _evict(self, keep: int | None = None) -> None:
+        """Drop slots at or below the held version, then the oldest past `MAX_STAGED` (lock
+        held). A running one cannot stop: it drains, and `_settled_take` waits for it too."""
+        held = self.state.version if self.state is not None else None
+        stale = [v for v in self._staging if v != keep and held is not None and v <= held]
+        others = [v for v in self._staging if v != keep and v not in stale]
+        stale += others[: max(0, len(others) - (MAX_STAGED - 1))]
+        for version in stale:
+            future = self._staging.pop(version)
+            if not future.cancel() and not future.done():
+                self._draining.append(future)
+        self._draining = [f for f in self._draining if not f.done()]
 
     def _prepare(self, store: Store, state: Replica, target: int, path: str | None) -> _Prepared:
         started = time.perf_counter()
@@ -162,7 +204,8 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             }
             if path not in names:
                 raise FormatError(f"the manifest has no file {path!r} for version {target}")
-        entries = manifest.plan(*base, target)
+        held = state.state_digest
+        entries = manifest.plan(*base, target, digest=held and held.hex())
         if self.tp_size > 1:  # anchors: only the bytes of this worker's slices
             files = [(fetch_slices(store, e, state.sink.boxes), e.label) for e in entries]
         else:
@@ -190,7 +233,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """`_take` once no staging reads the state any more (it is about to change)."""
         self._ready()
         with self._lock:
-            pending = list(self._staging.values())
+            pending = [*self._staging.values(), *self._draining]
         for future in pending:
             future.exception(timeout=STAGE_TIMEOUT_S)
         return self._take(info)
@@ -294,6 +337,8 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             "commit_s": round(time.perf_counter() - committing, 4),
             "swapped": getattr(state.sink, "last_swapped", False),
         }
+        with self._lock:
+            self._evict()
         log.info("deltasync: now at version %s (%s)", state.version, self.last_update)
 
     def finish_weight_update(self) -> None:
@@ -311,6 +356,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         state = self.state
         with self._lock:
             staging = {str(v): _future_state(f) for v, f in sorted(self._staging.items())}
+            busy = any(not f.done() for f in (*self._staging.values(), *self._draining))
         digest = None if state is None else state.state_digest
         return {
             "bucket": self.info.bucket if self.info else None,
@@ -319,6 +365,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             "version": None if state is None else state.version,
             "state_digest": digest and digest.hex(),  # of the held version, as its files promised
             "staging": staging,
+            "busy": busy,  # a staging still runs (the sync route pauses only once none does)
             "last_update": self.last_update,
         }
 
@@ -359,9 +406,24 @@ def _future_state(future: Future) -> str:
     return "ready" if exc is None else f"failed: {type(exc).__name__}: {exc}"
 
 
-def stage_args(version: str, path: str = "") -> tuple[int, str | None]:
-    """`/collective_rpc` passes strings; turn them into (version, path or None)."""
-    return parse_version(version), (path or None)
+def _usable(future: Future[_Prepared], held: tuple[str | None, int | None]) -> bool:
+    """A slot worth keeping: still running, or ready for the state held now."""
+    if not future.done():
+        return True
+    if future.cancelled() or future.exception() is not None:
+        return False
+    return future.result().base == held
+
+
+def _same_bucket(a: str, b: str) -> bool:
+    """The same store URL (a folder however it is spelled; other URLs up to a trailing '/')."""
+
+    def key(url: str) -> str:
+        if "://" not in url or url.startswith("file://"):
+            return "file://" + os.path.realpath(url.removeprefix("file://"))
+        return url.rstrip("/")
+
+    return key(a) == key(b)
 
 
 def register() -> None:

@@ -1,7 +1,8 @@
-"""Control messages of the `deltasync` weight-transfer backend.
+"""Control messages of the `deltasync` weight-transfer backend and of the sync route.
 
-vLLM hands the engine plain dicts (`init_info`, `update_info`, `/collective_rpc` strings); they
-become these frozen records in one place and are validated there.
+vLLM hands the engine plain dicts (`init_info`, `update_info`, `/collective_rpc` strings) and the
+sync route hands it JSON bodies; they become these frozen records in one place and are validated
+there.
 """
 
 from __future__ import annotations
@@ -9,21 +10,62 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import FormatError
+from ..errors import FormatError, StoreError
 from ..store import validate_path
 
-__all__ = ["InitInfo", "UpdateInfo", "parse_message", "parse_version"]
+__all__ = [
+    "InitInfo",
+    "SyncRequest",
+    "UpdateInfo",
+    "merge_statuses",
+    "parse_message",
+    "parse_version",
+    "stage_args",
+]
+
+MAX_VERSION = 2**63 - 1  # versions travel as int64 in file metadata
+MAX_PATH_CHARS = 1024
+
+
+def _shown(value: object) -> str:
+    """`value` for an error message: its repr, cut short (messages never echo long input)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def parse_version(value: object, *, what: str = "version") -> int:
-    """A version from JSON or a `/collective_rpc` string argument: a positive integer."""
-    if isinstance(value, bool):
-        raise FormatError(f"{what} must be a positive integer, got {value!r}")
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
-    if not isinstance(value, int) or value < 1:
-        raise FormatError(f"{what} must be a positive integer, got {value!r}")
+    """A version: a JSON integer, or a `/collective_rpc` string of ASCII digits (not "٢", not
+    "²", no sign, no spaces), from 1 to 2**63 - 1."""
+    if isinstance(value, str):
+        if not (0 < len(value) <= 19 and value.isascii() and value.isdigit()):
+            raise FormatError(f"{what} must be ASCII digits 0-9, got {_shown(value)}")
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_VERSION:
+        raise FormatError(f"{what} must be an integer from 1 to 2**63-1, got {_shown(value)}")
     return value
+
+
+def _bucket_path(value: object, what: str) -> str:
+    """A file path inside the bucket (a string that `validate_path` accepts)."""
+    if not isinstance(value, str):
+        raise FormatError(f"{what} must be a string, got {type(value).__name__}")
+    if len(value) > MAX_PATH_CHARS:
+        raise FormatError(f"{what} must be at most {MAX_PATH_CHARS} characters, got {len(value)}")
+    try:
+        return validate_path(value)
+    except StoreError as exc:  # report it as a bad message
+        raise FormatError(f"{what}: {exc}") from None
+
+
+def stage_args(version: object, path: object = "") -> tuple[int, str | None]:
+    """`deltasync_stage` / `deltasync_apply` string arguments (vLLM passes `/collective_rpc`
+    kwargs through untyped): (version, path or None); FormatError before any slot is touched."""
+    if not isinstance(version, str):
+        raise FormatError(f"version must be a string of ASCII digits, got {type(version).__name__}")
+    number = parse_version(version)
+    if not isinstance(path, str):
+        raise FormatError(f"path must be a string, got {type(path).__name__}")
+    return number, (_bucket_path(path, "path") if path else None)
 
 
 @dataclass(frozen=True)
@@ -82,10 +124,30 @@ class UpdateInfo:
     def __post_init__(self) -> None:
         object.__setattr__(self, "version", parse_version(self.version, what="update_info.version"))
         if self.path is not None:
-            try:
-                validate_path(self.path)
-            except Exception as exc:  # StoreError: report it as a bad message
-                raise FormatError(f"update_info.path: {exc}") from None
+            _bucket_path(self.path, "update_info.path")
+
+
+@dataclass(frozen=True)
+class SyncRequest:
+    """`POST /deltasync/sync {"version": 7, "path": "runs/..."}`: the one request that changes
+    a replica's weights (stage, pause, apply, verify, record, resume; see `control`).
+
+    Attributes:
+        version: the version to serve, a JSON integer (a string, float or bool is refused);
+            the replica reaches it from what it holds by the bucket's chain.
+        path: the file the trainer notified (optional); it must be the manifest's file for
+            `version`.
+    """
+
+    version: int
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.version, int) or isinstance(self.version, bool):
+            raise FormatError(f"version must be a JSON integer, got {_shown(self.version)}")
+        parse_version(self.version)
+        if self.path is not None:
+            _bucket_path(self.path, "path")
 
 
 def parse_message(cls: type, raw: Any, what: str) -> Any:
@@ -102,3 +164,26 @@ def parse_message(cls: type, raw: Any, what: str) -> Any:
         return cls(**raw)
     except TypeError as exc:
         raise ValueError(f"invalid {what}: {exc}") from None
+
+
+def merge_statuses(results: list[Any]) -> dict[str, Any]:
+    """One `deltasync_status` from every worker's: the first worker's, with `staging` and `busy`
+    merged (tensor-parallel workers stage in parallel: a version is ready once every worker has
+    it ready, failed once one failed; busy while one still stages). Raises FormatError when a
+    worker sent no status or the workers disagree on the run, version or digest they hold."""
+    if not results or not all(
+        isinstance(r, dict) and isinstance(r.get("staging"), dict) for r in results
+    ):
+        raise FormatError(f"workers sent no status: {str(results)[:300]}")
+    first = results[0]
+    for key in ("run_id", "version", "state_digest"):
+        if any(r.get(key) != first.get(key) for r in results[1:]):
+            raise FormatError(f"workers disagree on {key}: {[r.get(key) for r in results]}")
+    staging = {}
+    for version in {v for r in results for v in r["staging"]}:
+        states = [str(r["staging"].get(version, "missing")) for r in results]
+        staging[version] = next(
+            (s for s in states if s.startswith("failed")),
+            next((s for s in states if s != "ready"), "ready"),
+        )
+    return first | {"staging": staging, "busy": any(r.get("busy") for r in results)}

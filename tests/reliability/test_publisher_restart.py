@@ -24,7 +24,7 @@ RESUMED = {3: stepped(CHAIN.states[2], 999), 4: stepped(stepped(CHAIN.states[2],
 
 
 def _config(run_id: str = CHAIN.run_id, **kw) -> PublisherConfig:
-    return PublisherConfig(run_id=run_id, policy=POLICY, **kw)
+    return PublisherConfig(run_id=run_id, **{"policy": POLICY, **kw})
 
 
 def _killed() -> BaseException:
@@ -99,6 +99,49 @@ def test_restart_resumes_after_the_last_commit(tmp_path, fault: Fault) -> None:
         with pytest.raises(FormatError):
             replica.update(next(iter(leftovers.values())))
         assert fingerprint(replica) == before
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        Fault("put", lambda p: "/anchors/00000003-" in p),
+        Fault("put", lambda p: "/metrics/00000003" in p),
+        Fault("delete", lambda p: "/00000001-" in p),
+    ],
+    ids=["killed-during-anchor-upload", "killed-after-commit-in-metrics", "killed-in-retention"],
+)
+def test_killed_at_the_later_steps_of_the_commit_order(tmp_path, fault: Fault) -> None:
+    """Delta, anchor, manifest, metrics record, retention deletes: killed at any of the later
+    steps and restarted with `takeover`, the bucket replays to the new trainer's state and holds
+    no chain file its manifest does not name."""
+    policy = AnchorPolicy(interval=2, max_delta_fraction=None, keep_anchors=1)  # anchor at 3
+    store = FaultStore(tmp_path, retry=RetryPolicy(attempts=1))
+    gate = threading.Event()
+    fault.gate, fault.error = gate, _killed
+    dying = Publisher(store, _config(policy=policy))
+    for version in (1, 2):
+        dying.publish(CHAIN.states[version]).result(timeout=30)
+    store.inject(fault)
+    future = dying.publish(CHAIN.states[3])
+    for _ in range(6000):  # until the worker is stuck inside the fault
+        if fault.blocked:
+            break
+        threading.Event().wait(0.005)
+    assert fault.blocked == 1
+    committed = _manifest(store).latest_version  # 2, or 3 once the commit happened
+    with Publisher(LocalStore(tmp_path), _config(policy=policy, takeover=True)) as restarted:
+        record = restarted.publish(RESUMED[4]).result(timeout=30)
+    assert record.version == committed + 1
+    gate.set()  # the dead process's worker: whatever it does now must not harm the bucket
+    future.exception(timeout=30)
+    dying.close(timeout=30)
+    manifest = _manifest(store)
+    files = {p for p in store.list("runs") if "/metrics/" not in p}
+    assert files == manifest.referenced_paths()
+    replica = Replica()
+    assert replica.sync(store)[-1] == record.version
+    assert bitwise_equal(replica.tensors, RESUMED[4])
+    assert replica.state_digest.hex() == manifest.version_digest(record.version)
 
 
 def test_restart_with_a_new_run_id_moves_replicas_through_an_anchor(tmp_path) -> None:

@@ -52,4 +52,4 @@ def answering() -> Iterator:
 def test_broken_answers_are_replica_errors(answering, reply, message):
     client = answering(reply)
     with pytest.raises(ReplicaError, match=message):
-        client.request("POST", "/pause", query={"mode": "keep"})
+        client.request("POST", "/deltasync/sync", {"version": 1})

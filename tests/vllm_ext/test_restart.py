@@ -1,5 +1,5 @@
 """A replica killed in the middle of an update (SIGKILL to its whole process group just as
-`/update_weights` is sent) comes back on the same port, catches up from the bucket and serves
+the sync request is sent) comes back on the same port, catches up from the bucket and serves
 the trainer's latest bf16 weights bitwise; the bucket is never written by a replica. A killed
 launcher takes its vLLM server down with it."""
 
@@ -20,6 +20,7 @@ from deltasync.publisher import Publisher, PublisherConfig
 from deltasync.snapshot import Bf16Snapshot
 from deltasync.store import open_store
 from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
+from deltasync.vllm_ext.control import SYNC_PATH
 from trainer.tiny_model import build_tiny_qwen3
 
 pytestmark = pytest.mark.slow
@@ -33,14 +34,14 @@ def kill_all(processes: list[psutil.Process]) -> None:
 
 
 class KillingClient(ReplicaClient):
-    """SIGKILLs the launcher, vLLM and its engine right after dispatching `/update_weights`."""
+    """SIGKILLs the launcher, vLLM and its engine right after dispatching the sync request."""
 
     def __init__(self, base: ReplicaClient, launcher: psutil.Process):
         super().__init__(base.base_url, base.token, timeout_s=60)
         self.processes = [launcher, *launcher.children(recursive=True)]
 
     def request(self, method, path, body=None, *, query=None):
-        if path == "/update_weights":
+        if path == SYNC_PATH:
             threading.Timer(0.001, kill_all, (self.processes,)).start()
         return super().request(method, path, body, query=query)
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from deltasync.vllm_ext import AUTH_MIDDLEWARE, WORKER_EXTENSION
+from deltasync.vllm_ext import AUTH_MIDDLEWARE, LOOPBACK_MIDDLEWARE, WORKER_EXTENSION
 from deltasync.vllm_ext.client import ReplicaError
 from deltasync.vllm_ext.compat import BLOCKED_MODULES, server_env
 from deltasync.vllm_ext.serve import bootstrap, main, server_command
@@ -47,7 +47,9 @@ def test_command_line():
         cpu=False,
         extra=["--dtype=float16"],
     )
-    assert "--middleware" not in plain and "--load-format" not in plain
+    # the middleware serves the sync route, so it is always there; without auth, loopback only
+    assert plain[plain.index("--middleware") + 1] == LOOPBACK_MIDDLEWARE
+    assert "--load-format" not in plain
     assert "--enforce-eager" not in plain and plain.count("--dtype=float16") == 1
     assert "--dtype" not in plain
 
@@ -73,6 +75,9 @@ def test_refuses_to_start_unprotected(monkeypatch, capsys, tmp_path):
     assert "DELTASYNC_API_KEY" in capsys.readouterr().err
     assert main(["--model", "/m", "--insecure-no-auth", "--host", "0.0.0.0"]) == 2
     assert "loopback" in capsys.readouterr().err
+    monkeypatch.setenv("DELTASYNC_API_KEY", "k")
+    assert main(["--model", "/m", "--dev-routes", "--host", "0.0.0.0"]) == 2
+    assert "--dev-routes only with a loopback" in capsys.readouterr().err
 
 
 class _RacedClient:
@@ -84,8 +89,8 @@ class _RacedClient:
     def init(self, bucket, **options):
         self.calls.append(("init", bucket))
 
-    def sync_to(self, version, path=None, *, pause="keep"):
-        raise ReplicaError("POST /update_weights failed", url="http://x", status=500)
+    def sync_to(self, version, path=None):
+        raise ReplicaError("POST /deltasync/sync failed", url="http://x", status=409)
 
     def status(self):
         return {"run_id": self.run_id, "version": self.version}

@@ -77,7 +77,10 @@ class Chain:
 
 
 def _publish(store, trainer, encoding: str, versions: int) -> list:
-    config = PublisherConfig(RUN, encoding=encoding, policy=NO_ANCHORS, write_metrics=False)
+    """`versions` more versions of the run (a later call takes it over from the bucket)."""
+    config = PublisherConfig(
+        RUN, encoding=encoding, policy=NO_ANCHORS, write_metrics=False, takeover=True
+    )
     with Publisher(store, config) as publisher:
         return [publisher.publish(trainer).result(timeout=60) for _ in range(versions)]
 
