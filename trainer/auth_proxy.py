@@ -1,14 +1,17 @@
-"""A loopback sidecar that lets TRL, and only TRL's calls, reach a token-protected rollout server.
+"""A loopback sidecar that lets TRL, and only TRL's calls, reach token-protected rollout servers.
 
 TRL's rollout worker and `VLLMClient` send no credentials, while our rollout servers require a
-bearer token on every route. The trainer points TRL at this proxy, which adds
-`Authorization: Bearer <token>`. Anything that can reach 127.0.0.1 can reach the proxy, so it must
-not become a token-adding relay for the control routes (`/pause`, `/collective_rpc`, weight
-updates): it forwards only the routes TRL's async GRPO calls, and only for callers that know a
-per-process secret that TRL carries as the first path segment of its base URL (TRL builds every
-URL as `f"{base_url}{route}"`, so the prefix survives). It also refuses a foreign `Host` (DNS
-rebinding), any `Origin` (TRL sends none; browsers do) and POST bodies that are not JSON (a
-cross-site form cannot send `application/json` without a CORS preflight, which is refused).
+bearer token on every route; and TRL talks to one base URL, while the trainer drives several
+replicas. The trainer points TRL at this proxy, which spreads TRL's requests over the replicas
+(`trainer.routing.Router`: generation only to those within TRL's staleness, failing ones skipped
+for a cool-down) and adds `Authorization: Bearer <token>`. Anything that can reach 127.0.0.1 can
+reach the proxy, so it must not become a token-adding relay for the control routes (`/pause`,
+`/collective_rpc`, weight updates): it forwards only the routes TRL's async GRPO calls, and only
+for callers that know a per-process secret that TRL carries as the first path segment of its
+base URL (TRL builds every URL as `f"{base_url}{route}"`, so the prefix survives). It also refuses
+a foreign `Host` (DNS rebinding), any `Origin` (TRL sends none; browsers do) and POST bodies that
+are not JSON (a cross-site form cannot send `application/json` without a CORS preflight, which is
+refused). These checks run before a replica is chosen, the same for every replica.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ import hmac
 import logging
 import secrets
 import threading
+from collections.abc import Sequence
 from typing import Final
 
 import aiohttp
 from aiohttp import web
 from yarl import URL
+
+from .routing import Eligible, NoReplica, Router
 
 __all__ = ["ALLOWED_ROUTES", "AuthProxy"]
 
@@ -41,16 +47,33 @@ _KEEP_RESPONSE_HEADERS = {"content-type", "cache-control", "retry-after"}
 
 
 class AuthProxy:
-    """Forward TRL's routes from `url` (`http://127.0.0.1:<port>/<secret>`) to `upstream`.
+    """Forward TRL's routes from `url` (`http://127.0.0.1:<port>/<secret>`) to the `upstreams`.
 
     A context manager: entering starts the proxy on its own thread and event loop and sets `url`,
     the base URL to hand to TRL. `url` holds the secret, so log `display_url` instead.
     TRL's generation calls are plain JSON request/response (never `stream`), so bodies are
-    buffered whole.
+    buffered whole. A request whose connection a replica refuses goes to the next one; one that
+    no replica can take is answered 503 with a one-line reason (TRL's rollout worker retries).
+    On exit it logs the completions each replica answered (`router.completions()`).
+
+    Args:
+        upstreams: the rollout servers' base URLs.
+        token: their bearer token; None: they take none (nothing is added).
+        eligible: which upstreams may generate now (`trainer.routing.Eligible`); None: all.
+        cooldown_s: how long a replica that refused a connection or answered 5xx is skipped.
+        timeout_s: per forwarded request.
     """
 
-    def __init__(self, upstream: str, token: str, *, timeout_s: float = 600.0):
-        self.upstream = upstream.rstrip("/")
+    def __init__(
+        self,
+        upstreams: Sequence[str],
+        token: str | None,
+        *,
+        eligible: Eligible | None = None,
+        cooldown_s: float = 5.0,
+        timeout_s: float = 600.0,
+    ):
+        self.router = Router(upstreams, eligible, cooldown_s=cooldown_s)
         self._token = token
         self._secret = secrets.token_urlsafe(24)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -70,12 +93,13 @@ class AuthProxy:
         self._thread.start()
         if not self._ready.wait(30):
             raise RuntimeError("auth proxy did not start within 30 s")
-        log.info("auth proxy %s -> %s", self.display_url, self.upstream)
+        log.info("auth proxy %s -> %s", self.display_url, self.router.upstreams)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        log.info("rollout routing: completions per replica %s", self.router.completions())
 
     def _admit(self, request: web.Request) -> str | web.Response:
         """The route to forward, or the refusal; checks run before any byte is read or sent."""
@@ -103,28 +127,74 @@ class AuthProxy:
         admitted = self._admit(request)
         if isinstance(admitted, web.Response):
             return admitted
-        assert self._session is not None  # set before the site starts
-        headers = {"Authorization": f"Bearer {self._token}"}  # nothing else of the caller's
+        # nothing else of the caller's is passed on
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         body = None
         if request.method == "POST":
             headers["Content-Type"] = request.headers["Content-Type"]
             body = await request.read()
-        target = URL(self.upstream + admitted).with_query(request.rel_url.query)
+        generation = admitted == "/v1/completions"
+        tried: dict[str, str] = {}  # upstream -> why it could not take this request
+        while True:  # at most once per upstream: each pass adds one to `tried`
+            url = self.router.pick(generation=generation, tried=tried)
+            if isinstance(url, NoReplica):
+                return self._unavailable(url, tried)
+            target = URL(url + admitted).with_query(request.rel_url.query)
+            try:
+                return await self._send(url, request.method, target, headers, body, generation)
+            except aiohttp.ClientConnectorError as exc:  # nothing reached it: try another
+                tried[url] = repr(exc)
+
+    async def _send(
+        self,
+        url: str,
+        method: str,
+        target: URL,
+        headers: dict[str, str],
+        body: bytes | None,
+        generation: bool,
+    ) -> web.Response:
+        """One attempt at one upstream; its outcome goes to the router whatever happens."""
+        assert self._session is not None  # set before the site starts
+        failure, status, done = None, 0, False
+        self.router.started(url)
         try:
             async with self._session.request(
-                request.method, target, headers=headers, data=body, timeout=self._timeout
+                method, target, headers=headers, data=body, timeout=self._timeout
             ) as upstream:
                 reply = await upstream.read()
-                keep = {
-                    k: v for k, v in upstream.headers.items() if k.lower() in _KEEP_RESPONSE_HEADERS
-                }
-                return web.Response(status=upstream.status, body=reply, headers=keep)
+            status = upstream.status
+            if status >= 500:
+                failure = f"answered {status}"
+            keep = {
+                k: v for k, v in upstream.headers.items() if k.lower() in _KEEP_RESPONSE_HEADERS
+            }
+            done = True
+            return web.Response(status=status, body=reply, headers=keep)
+        except aiohttp.ClientConnectorError:
+            failure, done = "refused the connection", True
+            raise
         except (aiohttp.ClientError, TimeoutError) as exc:
-            # A replica that is down or restarting: answer 502 (TRL's rollout worker retries
-            # it) instead of letting aiohttp log a traceback for every request.
-            return web.Response(
-                status=502, text=f"rollout server {self.upstream} unreachable: {exc!r}"
+            # A replica that died mid-request: answer 502 (TRL's rollout worker retries it)
+            # instead of letting aiohttp log a traceback for every request.
+            failure, done = f"failed a request ({type(exc).__name__})", True
+            return web.Response(status=502, text=f"rollout server {url} unreachable: {exc!r}")
+        finally:  # not done: the caller went away (cancelled), which says nothing of the replica
+            self.router.finished(
+                url,
+                failure=failure,
+                generated=generation and 200 <= status < 300,
+                cancelled=not done,
             )
+
+    @staticmethod
+    def _unavailable(refusal: NoReplica, tried: dict[str, str]) -> web.Response:
+        """502 when the replicas tried all refused the connection, else 503: none could take it."""
+        if tried:
+            url, error = next(reversed(tried.items()))
+            return web.Response(status=502, text=f"rollout server {url} unreachable: {error}")
+        log.debug("auth proxy: %s", refusal.reason)
+        return web.Response(status=503, text=refusal.reason, headers={"Retry-After": "1"})
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)

