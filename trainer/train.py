@@ -94,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         "weights go to all, rollouts to those up and within max_staleness of the freshest",
     )
     p.add_argument(
+        "--follower-url",
+        action="append",
+        default=None,
+        help="rollout server that follows the bucket itself (serve --follow, the Space "
+        "default); repeat for several. The trainer never syncs it: it only reads the version "
+        "it serves, for routing rollouts",
+    )
+    p.add_argument(
         "--vllm-api-key",
         default=os.environ.get("DELTASYNC_API_KEY"),
         help="bearer token of the rollout servers (default $DELTASYNC_API_KEY)",
@@ -185,8 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         enable_cpu_training()
     model = prepare_model(args.model, args.model_dir, seed=args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    urls = args.vllm_server_url or [defaults.VLLM_URL]
-    named = {f"vllm-{i}": u for i, u in enumerate(urls)}
+    driven = args.vllm_server_url or ([] if args.follower_url else [defaults.VLLM_URL])
+    following = {f"follower-{i}": u for i, u in enumerate(args.follower_url or [])}
+    named = {f"vllm-{i}": u for i, u in enumerate(driven)} | following
+    urls = list(named.values())
     stack = contextlib.ExitStack()
     # TRL talks to one URL without credentials: a loopback proxy adds the token and spreads its
     # rollouts over the replicas within its staleness (the gate is read during train() only)
@@ -226,7 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         publisher.claim()
     except PublishError as exc:
         raise SystemExit(f"error: {exc}") from None
-    replicas = {n: ReplicaClient(u, args.vllm_api_key) for n, u in named.items()}
+    clients = {n: ReplicaClient(u, args.vllm_api_key) for n, u in named.items()}
+    replicas = {n: c for n, c in clients.items() if n not in following}
     rewards = StepRewards(step=lambda: trainer.state.global_step)  # read during train() only
     transfer = BucketWeightTransfer(
         publisher,
@@ -234,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bucket=args.bucket,
         verify_digests=args.verify_replicas,
         rewards=rewards,
+        followers={n: c for n, c in clients.items() if n in following},
     )
     task = _task(args, tokenizer)
     trainer_class = sharded_trainer_class() if sharded else AsyncGRPOTrainer

@@ -64,6 +64,9 @@ class BucketWeightTransfer:
             version is tagged with the step current at `send_weights` and gets that step's
             reward. None: records carry no step and no reward.
         reward_wait_s: how long a finished sync waits for its step's reward to be logged.
+        followers: rollout servers that follow the bucket themselves (`serve --follow`): never
+            synced by the trainer, so its work per version does not grow with them; their
+            served version (each verifies what it serves) is read every `poll_s` for routing.
 
     Raises:
         ValueError: the publisher writes metrics records itself (a record needs one writer).
@@ -79,6 +82,8 @@ class BucketWeightTransfer:
         verify_digests: bool = False,
         rewards: StepRewards | None = None,
         reward_wait_s: float = 30.0,
+        followers: dict[str, ReplicaClient] | None = None,
+        poll_s: float = 1.0,
     ):
         if publisher.config.write_metrics:
             raise ValueError(
@@ -99,16 +104,36 @@ class BucketWeightTransfer:
         self._fanout = ThreadPoolExecutor(max(1, len(replicas)), thread_name_prefix="replica")
         self._pending: list[Future[SyncRecord]] = []
         self._lock = threading.Lock()
+        self.followers = followers or {}
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="followers", daemon=True)
 
     def init_weight_transfer(self) -> None:
-        """Wait until every replica answers, and point it at the bucket."""
-        for name, client in self.replicas.items():
+        """Wait until every replica answers, point the driven ones at the bucket, and start
+        reading the followers' served versions."""
+        for name, client in {**self.replicas, **self.followers}.items():
             deadline = time.monotonic() + 300
             while not client.healthy():
                 if time.monotonic() > deadline:
                     raise DeltaSyncError(f"rollout server {name} did not become healthy in 300 s")
                 time.sleep(1)
-            client.init(self.bucket)
+            if name in self.replicas:
+                client.init(self.bucket)
+        if self.followers:
+            self._poller.start()
+
+    def _poll(self) -> None:
+        """The followers' served versions, for routing: one cheap read each per `poll_s`."""
+        while not self._stop.wait(self._poll_s):
+            for name, client in self.followers.items():
+                try:
+                    served = int(client.weight_version())
+                except (DeltaSyncError, ValueError, OSError):  # down, or nothing verified yet
+                    self.state.lagging.add(name)
+                    continue
+                self.state.synced[name] = served
+                self.state.lagging.discard(name)
 
     def pause(self) -> None:
         """Nothing to do: replicas keep serving while the version uploads and stages."""
@@ -134,7 +159,7 @@ class BucketWeightTransfer:
         wait_s = 0.0 if cold else self.reward_wait_s
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
-            sync = self._order.submit(self._finish, future, started, expected, step, wait_s)
+            sync = self._order.submit(self._finish, future, started, expected, step, wait_s, cold)
             sync.add_done_callback(_log_failure)
             self._pending.append(sync)
         if cold:
@@ -142,6 +167,7 @@ class BucketWeightTransfer:
 
     def destroy(self) -> None:
         """Let queued syncs finish (bounded), then stop the publisher."""
+        self._stop.set()
         if self.rewards is not None:
             self.rewards.end()  # no more logs: pending syncs stop waiting for rewards
         with self._lock:
@@ -164,10 +190,13 @@ class BucketWeightTransfer:
         expected: dict[str, str] | None,
         step: int | None,
         reward_wait_s: float,
+        cold: bool,
     ) -> SyncRecord:
         record = future.result()
         for line in record.log_lines(self.bucket):
             log.info("%s", line)
+        if cold and not self.replicas:  # followers only: rollouts begin once one serves it
+            self._await_followers(record.version)
         path = record.delta_path or record.anchor_path
         outcomes = self._fanout.map(
             lambda name: self._sync_one(name, record.version, path, expected), self.replicas
@@ -190,6 +219,15 @@ class BucketWeightTransfer:
         self._write_metrics(complete)
         self.records.append(complete)
         return complete
+
+    def _await_followers(self, version: int, timeout_s: float = 1800) -> None:
+        """At the cold start, block until a follower serves `version` (nothing can generate
+        before); later versions reach the followers on their own."""
+        deadline = time.monotonic() + timeout_s
+        while max(self.state.synced.values(), default=0) < version:
+            if time.monotonic() > deadline:
+                raise DeltaSyncError(f"no follower served version {version} in {timeout_s:.0f} s")
+            time.sleep(self._poll_s / 4)
 
     def _sync_one(
         self, name: str, version: int, path: str | None, expected: dict[str, str] | None
