@@ -15,12 +15,15 @@ any worker method. This pure-ASGI middleware, in order:
 4. with DELTASYNC_GATE=1, answers 503 to generation until a weight version is recorded (a
    replica started against a bucket never serves the checkpoint it booted with).
 
-`GET /health` answers vLLM's status with a JSON body that reports a pause (200 while paused).
+`GET /health` answers vLLM's status with a JSON body that reports a pause (200 while paused)
+and, when the server follows its bucket, the follower's state.
 
 vLLM adds it with `--middleware deltasync.vllm_ext.auth.BearerAuthMiddleware` and passes no
 arguments, so it reads its settings from the environment the launcher prepared:
 DELTASYNC_API_KEY (required), DELTASYNC_GATE, DELTASYNC_PAUSE_DEADLINE_S (default 90) and
-DELTASYNC_DEV_ROUTES=1 (vLLM's other routes for loopback clients, for benchmarks).
+DELTASYNC_DEV_ROUTES=1 (vLLM's other routes for loopback clients, for benchmarks),
+DELTASYNC_FOLLOW=1 (run a `follow.Follower`, started with the server's event loop and stopped
+at its shutdown) and DELTASYNC_FOLLOW_INTERVAL_S (default 2).
 `LoopbackMiddleware` is the same policy without a token, for loopback clients only
 (`serve --insecure-no-auth`).
 """
@@ -36,9 +39,12 @@ import os
 from typing import Any
 
 from .control import RPC_METHODS, SYNC_PATH, ControlConfig, ControlError, ControlPlane
+from .follow import FollowConfig, Follower
 
 __all__ = [
     "DEV_ROUTES_ENV",
+    "FOLLOW_ENV",
+    "FOLLOW_INTERVAL_ENV",
     "GATE_ENV",
     "PAUSE_DEADLINE_ENV",
     "ROUTES",
@@ -51,6 +57,8 @@ TOKEN_ENV = "DELTASYNC_API_KEY"
 GATE_ENV = "DELTASYNC_GATE"
 DEV_ROUTES_ENV = "DELTASYNC_DEV_ROUTES"
 PAUSE_DEADLINE_ENV = "DELTASYNC_PAUSE_DEADLINE_S"
+FOLLOW_ENV = "DELTASYNC_FOLLOW"
+FOLLOW_INTERVAL_ENV = "DELTASYNC_FOLLOW_INTERVAL_S"
 
 OPEN, CONTROL, INFO, SERVE = "open", "control", "info", "serve"
 # (method, path) -> kind. OPEN needs no token; CONTROL is served by `ControlPlane`; INFO is
@@ -106,7 +114,9 @@ class BearerAuthMiddleware:
         app: the wrapped ASGI app.
         token: the accepted token; defaults to the DELTASYNC_API_KEY environment variable.
         gate: hold generation until a weight version is recorded; defaults to DELTASYNC_GATE=1.
-        control: the control plane (default: one configured from the environment).
+        control: the control plane (default: one configured from the environment, with a
+            follower when DELTASYNC_FOLLOW=1). A control plane's `follower` is started with
+            the first event that reaches the engine (the server's lifespan start-up).
         insecure: accept loopback clients without a token (`LoopbackMiddleware`).
         dev_routes: let loopback clients reach vLLM's other routes; defaults to
             DELTASYNC_DEV_ROUTES=1.
@@ -141,6 +151,13 @@ class BearerAuthMiddleware:
             except ValueError as exc:
                 raise RuntimeError(f"{PAUSE_DEADLINE_ENV}={deadline!r}: {exc}") from None
             control = ControlPlane(config)
+            if env.get(FOLLOW_ENV) == "1":
+                interval = env.get(FOLLOW_INTERVAL_ENV)
+                try:
+                    follow = FollowConfig(interval_s=float(interval or 2.0))
+                except ValueError as exc:
+                    raise RuntimeError(f"{FOLLOW_INTERVAL_ENV}={interval!r}: {exc}") from None
+                control.follower = Follower(control, follow)
         self.control = control
         _log_to_stderr()
         if self.dev_routes:
@@ -161,6 +178,11 @@ class BearerAuthMiddleware:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         kind = scope["type"]
+        follower = self.control.follower
+        if follower is not None and not follower.started and _engine(scope) is not None:
+            follower.start(_engine(scope))
+        if kind == "lifespan" and follower is not None:
+            return await self.app(scope, _stopping(follower, receive), send)
         if kind not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         method = scope.get("method", "GET") if kind == "http" else "WEBSOCKET"
@@ -284,6 +306,19 @@ async def _read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _stopping(follower: Follower, receive: Any) -> Any:
+    """A lifespan `receive` that stops the follower when the server shuts down (before vLLM's
+    lifespan drops the engine)."""
+
+    async def received() -> dict[str, Any]:
+        message = await receive()
+        if message.get("type") == "lifespan.shutdown":
+            await follower.stop()
+        return message
+
+    return received
 
 
 def _replay(body: bytes, receive: Any) -> Any:

@@ -16,6 +16,11 @@ this module calls vLLM's engine client (`app.state.engine_client`, an `AsyncLLM`
 
 A pause ends by itself: a watchdog resumes generation once `pause_deadline_s` has passed (one log
 line); a sync whose deadline passed before its apply began gives up without applying (503).
+
+A server started with `serve --follow` also runs a `follow.Follower` here, which syncs through
+`sync_version` like the route does: one lock, one apply path, one pause. A sync to the version
+the workers already hold (of the bucket's run, with the bucket's digest) is a no-op success, so a
+trainer's push that arrives after the follower applied its version changes nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import FormatError
+from ..errors import DeltaSyncError, FormatError
+from ..manifest import read_manifest
+from ..store import RetryPolicy, Store, open_store
 from .protocol import InitInfo, SyncRequest, merge_statuses, parse_message, stage_args
 
 __all__ = ["RPC_METHODS", "SYNC_PATH", "ControlConfig", "ControlError", "ControlPlane"]
@@ -42,6 +49,7 @@ RPC_METHODS = frozenset(
 # HTTP status of a refusal by its error type: the replica cannot take that version as it stands
 # (409), or the bucket failed (502); anything else is the server's fault (500).
 _STATUS_OF = {"FormatError": 409, "ChainError": 409, "DigestMismatch": 409, "StoreError": 502}
+NOOP_READ_TIMEOUT_S = 30.0  # the manifest read that tells a no-op sync; then a full sync decides
 
 
 class ControlError(Exception):
@@ -97,38 +105,73 @@ class ControlPlane:
         self._lock = asyncio.Lock()
         self.pause: _Pause | None = None
         self.pauses_expired = 0
+        # A `follow.Follower` when the server follows its bucket (the middleware sets it); its
+        # state joins /health and `deltasync_status`.
+        self.follower: Any = None
+        self._stores: dict[str, Store] = {}
+        self.served: tuple[int, float] | None = None  # the last synced version and its pause
 
     def health(self) -> dict[str, Any]:
-        """The pause state `/health` reports (it answers 200 while paused)."""
+        """The pause and follow state `/health` reports (it answers 200 while paused), with the
+        version served since the last sync (verified) and that sync's pause: what a public
+        dashboard shows without holding any token."""
         pause = self.pause
+        version, last_pause_s = self.served or (None, None)
         body: dict[str, Any] = {
+            "version": version,
+            "last_pause_s": last_pause_s,
             "paused": pause is not None,
             "pause_deadline_s": self.config.pause_deadline_s,
             "pauses_expired": self.pauses_expired,
+            "following": self.follower is not None,
         }
         if pause is not None:
             body["paused_for_s"] = round(time.monotonic() - pause.started, 3)
             body["syncing_version"] = pause.version
+        if self.follower is not None:
+            body["follow"] = self.follower.state(public=True)
         return body
+
+    def store(self, url: str) -> Store:
+        """The bucket as this process reads it (the manifest only): one attempt per call, since
+        its callers own their retries (the follower backs off; a no-op check falls back to a
+        full sync)."""
+        if url not in self._stores:
+            self._stores[url] = open_store(url, retry=RetryPolicy(attempts=1))
+        return self._stores[url]
 
     # -- the sync route --------------------------------------------------------------------------
 
     async def sync(self, engine: Any, body: Any) -> dict[str, Any]:
         """Stage, pause, apply, verify, record, clear the prefix cache, resume."""
-        request = _parse(SyncRequest, body, "sync request")
-        async with self._held():
-            return await self._sync(engine, request)
+        return await self.sync_version(engine, _parse(SyncRequest, body, "sync request"))
 
-    async def _sync(self, engine: Any, request: SyncRequest) -> dict[str, Any]:
+    async def sync_version(
+        self, engine: Any, request: SyncRequest, *, by: str = "push"
+    ) -> dict[str, Any]:
+        """The sync route's work, for the route (`by` "push") and the follower ("follow"):
+        under the one lock, so two syncs never interleave."""
+        async with self._held():
+            answer = await self._sync(engine, request, by)
+            if isinstance(answer.get("version"), int):
+                self.served = (answer["version"], answer["pause_s"])
+            return answer
+
+    async def _sync(self, engine: Any, request: SyncRequest, by: str) -> dict[str, Any]:
         started = time.monotonic()
         version = request.version
         args = {"version": str(version), "path": request.path or ""}
         before = await engine.get_weight_version()
-        if _merged(await self._call(engine, "deltasync_status"))["bucket"] is None:
+        held = await self.worker_status(engine)
+        if held["bucket"] is None:
             raise ControlError(
                 409,
                 'no bucket yet: POST /init_weight_transfer_engine {"init_info": {"bucket": URL}}',
             )
+        served = held["version"] == version and before == str(version)
+        if served and await self._bucket_leads_nowhere(held, version):
+            log.info("deltasync: version %d already served (%s sync: no-op)", version, by)
+            return _noop_answer(held, before)
         await self._settle(engine, version, args)
         stage_s = time.monotonic() - started
         pause = await self._pause(engine, version)
@@ -144,32 +187,31 @@ class ControlPlane:
             cache_cleared = bool(await engine.reset_prefix_cache())
         finally:
             await self._resume(engine, pause)
-        update = status.get("last_update") or {}
-        answer = {
-            "version": status["version"],
-            "previous_version": before,
-            "run_id": status["run_id"],
-            "state_digest": status["state_digest"],
-            "stage_s": round(stage_s, 4),
-            "pause_s": round((pause.ended or time.monotonic()) - pause.started, 4),
-            "apply_s": update.get("apply_s"),
-            "commit_s": update.get("commit_s"),
-            "bytes": update.get("bytes"),
-            "files": update.get("files"),
-            "applied": update.get("applied"),
-            "swapped": update.get("swapped"),
-            "prefix_cache_cleared": cache_cleared,
-            "pause_expired": pause.expired,
-        }
+        answer = _answer(status, before, stage_s, pause, cache_cleared)
         log.info(
-            "deltasync: synced version %s -> %d (staged %.3f s, paused %.3f s, %s bytes)",
+            "deltasync: synced version %s -> %d (%s; staged %.3f s, paused %.3f s, %s bytes)",
             before,
             version,
+            by,
             answer["stage_s"],
             answer["pause_s"],
             answer["bytes"],
         )
         return answer
+
+    async def _bucket_leads_nowhere(self, held: dict[str, Any], version: int) -> bool:
+        """Whether the bucket's chain plans nothing from what the workers hold to `version`
+        (the same run, and its digest of that version is theirs). Any doubt (the bucket cannot
+        be read, another run, a fork) is False: the full sync then decides, and reports it."""
+        try:
+            reading = asyncio.to_thread(read_manifest, self.store(held["bucket"]))
+            manifest = await asyncio.wait_for(reading, NOOP_READ_TIMEOUT_S)
+            if manifest is None:
+                return False
+            digest = held["state_digest"]
+            return manifest.plan(held["run_id"], version, version, digest=digest) == []
+        except (DeltaSyncError, TimeoutError):
+            return False
 
     async def _settle(self, engine: Any, version: int, args: dict[str, str]) -> None:
         """Stage `version` and wait, serving, until it is ready and no other staging runs (an
@@ -299,7 +341,11 @@ class ControlPlane:
                 raise ControlError(422, f"{STAGE_RPC}: {exc}") from None
         elif kwargs:
             raise ControlError(422, f"{method} takes no arguments")
-        return {"results": await self._call(engine, method, kwargs)}
+        results = await self._call(engine, method, kwargs)
+        if method == "deltasync_status" and self.follower is not None:
+            follow = self.follower.state()
+            results = [r | {"follow": follow} if isinstance(r, dict) else r for r in results]
+        return {"results": results}
 
     async def init(self, engine: Any, body: Any) -> dict[str, Any]:
         """Point the backend at its bucket; another bucket after the first is refused (403)."""
@@ -316,6 +362,10 @@ class ControlPlane:
         return {"message": "Weight transfer initialized", "bucket": info.bucket}
 
     # -- helpers -----------------------------------------------------------------------------------
+
+    async def worker_status(self, engine: Any) -> dict[str, Any]:
+        """The workers' merged `deltasync_status`: bucket, run, version and digest they hold."""
+        return _merged(await self._call(engine, "deltasync_status"))
 
     def _held(self) -> _Held:
         return _Held(self._lock, self.config.busy_timeout_s)
@@ -345,6 +395,51 @@ class _Held:
 
     async def __aexit__(self, *exc: object) -> None:
         self.lock.release()
+
+
+def _answer(
+    status: dict[str, Any], before: str, stage_s: float, pause: _Pause, cache_cleared: bool
+) -> dict[str, Any]:
+    """The sync answer: what the workers verified, and how long staging and the pause took."""
+    update = status.get("last_update") or {}
+    return {
+        "version": status["version"],
+        "previous_version": before,
+        "run_id": status["run_id"],
+        "state_digest": status["state_digest"],
+        "stage_s": round(stage_s, 4),
+        "pause_s": round((pause.ended or time.monotonic()) - pause.started, 4),
+        "apply_s": update.get("apply_s"),
+        "commit_s": update.get("commit_s"),
+        "bytes": update.get("bytes"),
+        "files": update.get("files"),
+        "applied": update.get("applied"),
+        "swapped": update.get("swapped"),
+        "prefix_cache_cleared": cache_cleared,
+        "pause_expired": pause.expired,
+        "noop": False,
+    }
+
+
+def _noop_answer(held: dict[str, Any], before: str) -> dict[str, Any]:
+    """The sync answer when the version asked for is the one served: nothing staged or paused."""
+    return {
+        "version": held["version"],
+        "previous_version": before,
+        "run_id": held["run_id"],
+        "state_digest": held["state_digest"],
+        "stage_s": 0.0,
+        "pause_s": 0.0,
+        "apply_s": None,
+        "commit_s": None,
+        "bytes": 0,
+        "files": [],
+        "applied": [],
+        "swapped": False,
+        "prefix_cache_cleared": False,
+        "pause_expired": False,
+        "noop": True,
+    }
 
 
 def _parse(cls: type, raw: Any, what: str) -> Any:

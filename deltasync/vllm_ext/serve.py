@@ -9,6 +9,11 @@ auth middleware (bearer token, route policy, and the one sync route `POST /delta
 Once healthy it catches up with the bucket (latest anchor + replay) through the sync route, which
 records the version `/weight_info` reports; until a version is recorded only control and info
 routes answer. Arguments after `--` go to vLLM unchanged.
+
+Afterwards the version changes when a trainer drives it (push, `POST /deltasync/sync`) or, with
+`--follow` (DELTASYNC_FOLLOW=1), also by itself: a follower inside the server polls the bucket's
+manifest every `--follow-interval` seconds (DELTASYNC_FOLLOW_INTERVAL_S, default 2) and syncs
+through the same route's path whenever a new version is committed (see `follow`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,14 @@ from ..errors import DeltaSyncError
 from ..manifest import read_manifest
 from ..store import open_store
 from . import AUTH_MIDDLEWARE, BACKEND, LOOPBACK_MIDDLEWARE, WORKER_EXTENSION
-from .auth import DEV_ROUTES_ENV, GATE_ENV, PAUSE_DEADLINE_ENV, TOKEN_ENV
+from .auth import (
+    DEV_ROUTES_ENV,
+    FOLLOW_ENV,
+    FOLLOW_INTERVAL_ENV,
+    GATE_ENV,
+    PAUSE_DEADLINE_ENV,
+    TOKEN_ENV,
+)
 from .client import ReplicaClient, ReplicaError
 from .compat import is_vllm_cpu, server_env
 
@@ -75,6 +87,21 @@ def _parser() -> argparse.ArgumentParser:
         default=90.0,
         metavar="S",
         help="longest pause of generation for a sync; then it resumes by itself (default 90)",
+    )
+    p.add_argument(
+        "--follow",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"follow the bucket by itself: poll its manifest and sync every new version "
+        f"(pull mode; pushes still work). Default: {FOLLOW_ENV}=1 turns it on",
+    )
+    p.add_argument(
+        "--follow-interval",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"seconds between polls of the manifest, +-20 %% jitter, backing off on errors "
+        f"(default {FOLLOW_INTERVAL_ENV} or 2)",
     )
     p.add_argument(
         "--dev-routes",
@@ -192,6 +219,24 @@ def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> int:
     return proc.returncode
 
 
+def _follow_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--follow` and `--follow-interval`, from the flags or else the environment, checked."""
+    if args.follow is None:
+        value = os.environ.get(FOLLOW_ENV, "").strip().lower()
+        if value not in ("", "0", "1", "false", "true"):
+            parser.error(f"{FOLLOW_ENV} must be 1 or 0, got {value[:20]!r}")
+        args.follow = value in ("1", "true")
+    if args.follow_interval is None:
+        try:
+            args.follow_interval = float(os.environ.get(FOLLOW_INTERVAL_ENV) or 2.0)
+        except ValueError:
+            parser.error(f"{FOLLOW_INTERVAL_ENV} must be a number of seconds")
+    if not 0 < args.follow_interval <= 3600:
+        parser.error("--follow-interval must be in (0, 3600] seconds")
+    if args.follow and not args.bucket:
+        parser.error("--follow needs --bucket")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -199,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--recompute-every must be >= 0")
     if not 0 < args.pause_deadline <= 86400:
         parser.error("--pause-deadline must be in (0, 86400] seconds")
+    _follow_settings(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     token = os.environ.get(TOKEN_ENV, "")
@@ -232,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     env = server_env(cpu=cpu) | {
         "VLLM_SERVER_DEV_MODE": "1",  # vLLM's weight-transfer routes; the middleware fences them
         PAUSE_DEADLINE_ENV: repr(args.pause_deadline),
+        FOLLOW_ENV: "1" if args.follow else "0",
+        FOLLOW_INTERVAL_ENV: repr(args.follow_interval),
     }
     env.pop(DEV_ROUTES_ENV, None)  # only this launcher's flag turns them on
     if args.dev_routes:
@@ -255,8 +303,13 @@ def main(argv: list[str] | None = None) -> int:
             bootstrap(client, args.bucket, **options)
         elif args.bucket:
             client.init(args.bucket, **options)
+        following = f"; following every {args.follow_interval:g} s" if args.follow else ""
         log.info(
-            "ready on %s:%d (weight version %s)", args.host, args.port, client.weight_version()
+            "ready on %s:%d (weight version %s%s)",
+            args.host,
+            args.port,
+            client.weight_version(),
+            following,
         )
         return proc.wait()
     except DeltaSyncError as exc:

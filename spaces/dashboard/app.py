@@ -25,10 +25,13 @@ from deltasync.store import Store, open_store
 
 from . import charts
 from .data import BucketWatcher, WatcherConfig
+from .replicas import ReplicaPoller, parse_replica_urls
 from .series import (
+    REPLICA_COLUMNS,
     TABLE_COLUMNS,
     files_table,
     health_markdown,
+    replicas_table,
     reward_series,
     series_json,
     status_markdown,
@@ -40,6 +43,7 @@ from .serving import launch
 __all__ = ["DashboardConfig", "build_dashboard", "main"]
 
 ENV_BUCKET = "DELTASYNC_BUCKET"
+ENV_REPLICAS = "DELTASYNC_REPLICAS"
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class DashboardConfig:
     refresh_s: float = 5.0
     table_rows: int = 20
     watcher: WatcherConfig = field(default_factory=WatcherConfig)
+    replicas: tuple[str, ...] = ()  # rollout servers whose open /health to show
 
 
 def build_dashboard(bucket: str | Store, config: DashboardConfig | None = None) -> gr.Blocks:
@@ -60,12 +65,13 @@ def build_dashboard(bucket: str | Store, config: DashboardConfig | None = None) 
     config = config or DashboardConfig()
     store = open_store(bucket) if isinstance(bucket, str) else bucket
     watcher = BucketWatcher(store, config.watcher)
+    poller = ReplicaPoller(config.replicas)
 
     def refresh() -> tuple[Any, ...]:
         snap = watcher.snapshot()
         versions = version_series(snap)
         timings, from_replicas = timing_series(snap)
-        return (
+        shown = (
             status_markdown(snap),
             health_markdown(snap),
             charts.to_plot(charts.sparsity_chart(versions)),
@@ -74,10 +80,18 @@ def build_dashboard(bucket: str | Store, config: DashboardConfig | None = None) 
             charts.to_plot(charts.reward_chart(reward_series(snap))),
             files_table(snap, config.table_rows),
         )
+        if not config.replicas:
+            return shown
+        return (*shown, replicas_table(poller.statuses(snap.health and snap.health.latest_version)))
 
     def series() -> dict[str, Any]:
-        """Every series the charts show, the files and the chain's health, as JSON."""
-        return series_json(watcher.snapshot())
+        """Every series the charts show, the files, the chain's health and the replicas."""
+        snap = watcher.snapshot()
+        return series_json(snap) | {
+            "replicas": [
+                r.to_json() for r in poller.statuses(snap.health and snap.health.latest_version)
+            ]
+        }
 
     with gr.Blocks(title="deltasync dashboard") as demo:
         gr.Markdown("## deltasync bucket dashboard")
@@ -96,6 +110,15 @@ def build_dashboard(bucket: str | Store, config: DashboardConfig | None = None) 
             elem_id="files-table",
         )
         outputs = [status, health, sparsity, payload, timing, reward, table]
+        if config.replicas:
+            outputs.append(
+                gr.Dataframe(
+                    headers=REPLICA_COLUMNS,
+                    label="Replicas (their open /health)",
+                    interactive=False,
+                    elem_id="replicas-table",
+                )
+            )
         timer = gr.Timer(config.refresh_s)
         timer.tick(refresh, outputs=outputs, api_name="refresh", show_progress="hidden")
         demo.load(refresh, outputs=outputs, api_visibility="private", show_progress="hidden")
@@ -116,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 inside a Space")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--refresh", type=float, default=5.0, help="seconds between refreshes")
+    parser.add_argument(
+        "--replica",
+        action="append",
+        default=None,
+        help=f"a rollout server to show (its open /health: version, lag, pause); repeat for "
+        f"several (default: ${ENV_REPLICAS}, comma-separated)",
+    )
     return parser
 
 
@@ -128,8 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --refresh must be > 0, got {args.refresh}", file=sys.stderr)
         return 2
     try:
-        demo = build_dashboard(args.bucket, DashboardConfig(refresh_s=args.refresh))
-    except DeltaSyncError as exc:
+        replicas = parse_replica_urls(" ".join(args.replica or [os.environ.get(ENV_REPLICAS, "")]))
+        config = DashboardConfig(refresh_s=args.refresh, replicas=replicas)
+        demo = build_dashboard(args.bucket, config)
+    except (DeltaSyncError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     launch(demo, host=args.host, port=args.port)

@@ -7,12 +7,15 @@ from typing import Any
 
 from .data import FileRow, Snapshot
 from .records import SyncRecord
+from .replicas import ReplicaStatus
 
 __all__ = [
+    "REPLICA_COLUMNS",
     "TABLE_COLUMNS",
     "files_table",
     "health_markdown",
     "human_bytes",
+    "replicas_table",
     "reward_series",
     "series_json",
     "status_markdown",
@@ -111,6 +114,24 @@ def status_markdown(snap: Snapshot) -> str:
     if len(snap.problems) > 10:
         lines.append(f"- … and {len(snap.problems) - 10} more")
     return "\n".join(lines)
+
+
+REPLICA_COLUMNS = ["replica", "state", "version", "lag", "last pause", "detail"]
+
+
+def replicas_table(statuses: list[ReplicaStatus]) -> list[list[Any]]:
+    """One row per replica the dashboard watches: what its open /health said last."""
+    return [
+        [
+            s.url,
+            s.state,
+            "" if s.version is None else s.version,
+            "" if s.lag is None else s.lag,
+            "" if s.last_pause_s is None else f"{s.last_pause_s * 1e3:.0f} ms",
+            s.detail,
+        ]
+        for s in statuses
+    ]
 
 
 def series_json(snap: Snapshot) -> dict[str, Any]:

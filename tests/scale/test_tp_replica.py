@@ -3,10 +3,8 @@ version both workers hold the ranks' bf16 weights bit for bit, and it serves lik
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +14,7 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
+from server_process import stop_server
 
 from deltasync.digest import tensor_digest
 from deltasync.manifest import read_manifest
@@ -76,15 +75,7 @@ def tp_replica(sharded_run, sharded_model_dir, tmp_path_factory):
         client.init(str(sharded_run / "bucket"))
         yield client
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        stop_server(proc, children)
 
 
 def _reference(state: dict[str, torch.Tensor], model_dir) -> torch.nn.Module:

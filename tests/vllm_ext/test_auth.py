@@ -147,9 +147,12 @@ def test_health_is_open_but_only_for_reading():
     assert status(sent) == 200
     assert answer(sent) == {
         "status": "ok",
+        "version": None,  # nothing synced yet
+        "last_pause_s": None,
         "paused": False,
         "pause_deadline_s": 90.0,
         "pauses_expired": 0,
+        "following": False,
     }
     assert status(call(mw, app, "/health", method="HEAD")) == 200
     assert status(call(mw, app, "/health", method="POST")) == 401

@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import pytest
+from standin_engine import StandInEngine
 
 from deltasync.vllm_ext.auth import BearerAuthMiddleware
 from deltasync.vllm_ext.control import ControlConfig, ControlPlane
@@ -15,7 +16,7 @@ from deltasync.vllm_ext.control import ControlConfig, ControlPlane
 TOKEN = "s3cret-token"
 
 
-class Engine:
+class Engine(StandInEngine):
     """vLLM's `AsyncLLM` as the control plane uses it, with one worker holding `held`."""
 
     def __init__(self):
@@ -29,24 +30,9 @@ class Engine:
         self.pause_stall_s = 0.0
         self.bucket = "/b"
 
-    @property
-    def state(self):
-        return self
-
-    @property
-    def engine_client(self):
-        return self
-
     async def __call__(self, scope, receive, send):  # vLLM's own routes: /health here
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b""})
-
-    async def get_weight_version(self):
-        return self.weight_version
-
-    async def update_weight_version(self, version):
-        self.calls.append(f"record {version}")
-        self.weight_version = version
 
     async def pause_generation(self, *, mode="abort", clear_cache=True):
         self.calls.append(f"pause {mode}")

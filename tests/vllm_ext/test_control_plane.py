@@ -3,7 +3,7 @@ syncs bitwise, and everything else that used to change weights, versions or the 
 cleanly and changes nothing (issue 17 item 3).
 
 One server (module fixture), started by `python -m deltasync.vllm_ext.serve` with a 3 s pause
-deadline and a test-only middleware (`stall_pause.py`) that can hold `pause_generation` to
+deadline and a test-only middleware (`pause_hooks.py`) that can hold `pause_generation` to
 simulate a sync stuck inside its pause. Loopback only; the server's process tree is always
 stopped.
 """
@@ -84,7 +84,7 @@ def replica(tmp_path_factory) -> Replica:
                 log,
                 token=TOKEN,
                 serve_args=("--pause-deadline", str(DEADLINE_S)),
-                vllm_args=("--middleware", "stall_pause.StallAfterPause"),
+                vllm_args=("--middleware", "pause_hooks.StallAfterPause"),
             ) as (client, _):
                 client.timeout_s = 120
                 yield Replica(client, model, loop, publisher, bucket, log, root)
@@ -120,6 +120,9 @@ def test_the_sync_route_syncs_bitwise(replica):
     assert answer["bytes"] > 0 and answer["files"] and answer["pause_expired"] is False
     assert 0 < answer["pause_s"] < DEADLINE_S and answer["staged"] is True
     assert_serves(replica, record.version)
+    open_health = ReplicaClient(replica.client.base_url).request("GET", "/health")  # no token
+    assert open_health["version"] == record.version
+    assert open_health["last_pause_s"] == answer["pause_s"]
 
 
 def test_collective_rpc_runs_no_other_worker_method(replica):

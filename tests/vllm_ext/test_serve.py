@@ -116,3 +116,67 @@ def test_bootstrap_accepts_a_replica_already_past_the_latest_version(tmp_path):
         bootstrap(_RacedClient("race", 1), bucket)
     with pytest.raises(ReplicaError):
         bootstrap(_RacedClient("other", 5), bucket)
+
+
+class _ExitedAtOnce:
+    """A vLLM process that exits during start-up (main then stops and returns 1)."""
+
+    returncode = 1
+    pid = 0
+
+    def poll(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "follow", "interval"),
+    [
+        ([], {}, "0", 2.0),
+        (["--follow"], {}, "1", 2.0),
+        ([], {"DELTASYNC_FOLLOW": "1", "DELTASYNC_FOLLOW_INTERVAL_S": "0.5"}, "1", 0.5),
+        (["--no-follow"], {"DELTASYNC_FOLLOW": "1"}, "0", 2.0),
+        (["--follow", "--follow-interval", "7"], {"DELTASYNC_FOLLOW_INTERVAL_S": "3"}, "1", 7.0),
+    ],
+)
+def test_follow_settings_reach_the_server_process(
+    monkeypatch, tmp_path, argv, env, follow, interval
+):
+    from deltasync.vllm_ext import serve
+
+    seen = {}
+
+    def popen(cmd, env, **kwargs):
+        seen.update(env)
+        return _ExitedAtOnce()
+
+    monkeypatch.setenv("DELTASYNC_API_KEY", "k")
+    for key in ("DELTASYNC_FOLLOW", "DELTASYNC_FOLLOW_INTERVAL_S"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(serve.subprocess, "Popen", popen)
+    monkeypatch.setattr(serve.signal, "signal", lambda *args: None)
+    assert main(["--model", "/m", "--bucket", str(tmp_path), *argv]) == 1
+    assert seen["DELTASYNC_FOLLOW"] == follow
+    assert float(seen["DELTASYNC_FOLLOW_INTERVAL_S"]) == interval
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--follow"], {}, "--follow needs --bucket"),
+        ([], {"DELTASYNC_FOLLOW": "maybe"}, "DELTASYNC_FOLLOW must be 1 or 0"),
+        (["--follow-interval", "0"], {}, "--follow-interval must be in"),
+        (["--follow-interval", "nan"], {}, "--follow-interval must be in"),
+        ([], {"DELTASYNC_FOLLOW_INTERVAL_S": "soon"}, "must be a number of seconds"),
+    ],
+)
+def test_bad_follow_settings_are_one_line_errors(monkeypatch, capsys, argv, env, message):
+    monkeypatch.setenv("DELTASYNC_API_KEY", "k")
+    for key in ("DELTASYNC_FOLLOW", "DELTASYNC_FOLLOW_INTERVAL_S"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as info:
+        main(["--model", "/m", *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err

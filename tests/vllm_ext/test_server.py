@@ -8,12 +8,10 @@ transfer does. Loopback only; the server's process tree is always stopped.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from server_process import stop_server
 
 from deltasync.digest import tensor_digest
 from deltasync.manifest import read_manifest
@@ -144,20 +143,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(proc: subprocess.Popen, children: list[int]) -> None:
-    """SIGTERM the launcher (it stops vLLM's group), then kill whatever is left, by pid."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Served:
     import psutil
@@ -191,7 +176,7 @@ def served(tmp_path_factory) -> Served:
         yield Served(trainer, client, anonymous, str(trainer.model_dir), log)
     finally:
         trainer.publisher.close()
-        _stop(proc, children)
+        stop_server(proc, children)
 
 
 def _assert_serves(served: Served, version: int) -> None:
