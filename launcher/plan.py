@@ -103,13 +103,19 @@ def make_plan(cfg: SpacesConfig, namespace: str) -> Plan:
             repo_id = f"{namespace}/{cfg.name}-{role}"
             spec = SpaceSpec(role, kind, repo_id, cfg.env_flavor, False, (), (), template)
         else:
+            # the dashboard shows every replica's version, lag and pause from its open /health
+            hosts = [
+                expected_host(f"{namespace}/{cfg.name}-{r}")
+                for r, k in space_roles(cfg.replicas, cfg.env)
+                if k == "vllm"
+            ]
             spec = SpaceSpec(
                 role,
                 kind,
                 f"{namespace}/{cfg.name}-{role}",
                 cfg.dashboard_flavor,
                 cfg.private,
-                (("DELTASYNC_BUCKET", bucket_url),),
+                (("DELTASYNC_BUCKET", bucket_url), ("DELTASYNC_REPLICAS", ",".join(hosts))),
                 (TOKEN_SECRET,),
                 template,
             )

@@ -13,6 +13,12 @@ BUCKET = "hf://buckets/alice/deltasync-weights"
 J = ["--format", "json"]
 
 
+def replicas_variable(count: int = 1) -> str:
+    """What the dashboard Space is told to watch: every vLLM Space's URL."""
+    hosts = [f"https://alice-deltasync-vllm-{i}.hf.space" for i in range(count)]
+    return "DELTASYNC_REPLICAS=" + ",".join(hosts)
+
+
 def head() -> list[list[str]]:
     return [["version", *J], ["auth", "whoami", *J]]
 
@@ -47,6 +53,8 @@ def create(hub, role: str) -> list[list[str]]:
             "HF_TOKEN",
             "-e",
             f"DELTASYNC_BUCKET={BUCKET}",
+            "-e",
+            replicas_variable(),
         ],
     }[kind]
     sdk = "gradio" if kind == "dashboard" else "docker"
@@ -98,7 +106,17 @@ def reapply(role: str) -> list[list[str]]:
     if kind == "dashboard":
         calls += [
             ["spaces", "secrets", "add", repo, "-s", "HF_TOKEN", *J],
-            ["spaces", "variables", "add", repo, "-e", f"DELTASYNC_BUCKET={BUCKET}", *J],
+            [
+                "spaces",
+                "variables",
+                "add",
+                repo,
+                "-e",
+                f"DELTASYNC_BUCKET={BUCKET}",
+                "-e",
+                replicas_variable(),
+                *J,
+            ],
         ]
     return calls
 
@@ -275,6 +293,8 @@ def test_from_template_duplicates_instead_of_uploading(hub):
             "HF_TOKEN",
             "-e",
             f"DELTASYNC_BUCKET={BUCKET}",
+            "-e",
+            replicas_variable(2),
             *J,
         ],
         *infos(*roles),

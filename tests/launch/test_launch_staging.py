@@ -107,7 +107,8 @@ def test_plan_names_and_settings():
     assert dict(vllm.variables)["BUCKET"] == "hf://buckets/team/rl-weights"
     assert vllm.secrets == ("HF_TOKEN", "DELTASYNC_API_KEY") and not vllm.private
     assert plan.spaces[-1].private and dict(plan.spaces[-1].variables) == {
-        "DELTASYNC_BUCKET": "hf://buckets/team/rl-weights"
+        "DELTASYNC_BUCKET": "hf://buckets/team/rl-weights",
+        "DELTASYNC_REPLICAS": "https://team-rl-vllm-0.hf.space,https://team-rl-vllm-1.hf.space",
     }
     sanity = make_plan(SpacesConfig(model="m", env="sanity", bucket="b"), "me")
     assert [s.role for s in sanity.spaces] == ["vllm-0", "dashboard"]
