@@ -195,6 +195,21 @@ def test_rerun_reapplies_settings_and_creates_nothing(hub):
     assert "updating alice/deltasync-vllm-0" in result.out
 
 
+def test_a_rerun_with_more_replicas_adds_spaces_the_dashboard_watches(hub):
+    """`--replicas 2` on a re-run creates only the new vLLM Space (which follows the bucket by
+    itself) and tells the dashboard Space both replicas' URLs."""
+    assert hub.launch("--model", MODEL, "--no-train").code == 0
+    hub.clear_calls()
+    result = hub.launch("--model", MODEL, "--no-train", "--replicas", "2")
+    assert result.code == 0, result.err
+    calls = hub.calls()
+    assert [c[2] for c in calls if c[:2] == ["repos", "create"]] == ["alice/deltasync-vllm-1"]
+    dashboard = hub.state["spaces"]["alice/deltasync-dashboard"]["variables"]
+    assert "DELTASYNC_REPLICAS=" + dashboard["DELTASYNC_REPLICAS"] == replicas_variable(2)
+    replica = hub.state["spaces"]["alice/deltasync-vllm-1"]["variables"]
+    assert replica["BUCKET"] == BUCKET and replica["MODEL"] == MODEL
+
+
 def test_private_and_more_replicas(hub):
     result = hub.launch(
         "--model",
