@@ -236,17 +236,19 @@ class BucketWeightTransfer:
         started = time.perf_counter()
         error = None
         for attempt in range(1, self.attempts + 1):
-            # The file's path only saves the replica a manifest lookup: once a newer version is
-            # committed, retention may have deleted that file while the version stays reachable
-            # (through an anchor), so a late or retried sync plans from the manifest instead.
-            fresh = attempt == 1 and self.publisher.committed_version == version
+            # A sync that waited while newer versions were committed goes straight to the newest:
+            # retention may already have deleted the files of `version` (a replica never needs
+            # an old version), and a late or retried sync plans from the manifest, so the file's
+            # path (which only saves the replica a manifest lookup) is sent only when current.
+            target = max(version, self.publisher.committed_version or version)
+            hint = path if attempt == 1 and target == version else None
             try:
-                timings = client.sync_to(version, path if fresh else None)
+                timings = client.sync_to(target, hint)
                 served = int(client.weight_version())
-                if served != version:
-                    raise DeltaSyncError(f"replica reports version {served}, expected {version}")
+                if served < target:
+                    raise DeltaSyncError(f"replica reports version {served}, expected {target}")
                 if expected is not None:
-                    self._check_served(client, version, expected)
+                    self._check_served(client, served, expected if served == version else None)
             except (DeltaSyncError, ValueError, OSError) as exc:
                 error = str(exc)
                 log.warning(
@@ -258,7 +260,7 @@ class BucketWeightTransfer:
                     exc,
                 )
                 continue
-            self.state.synced[name] = version
+            self.state.synced[name] = served
             self.state.lagging.discard(name)
             return ReplicaOutcome(
                 name,
@@ -278,12 +280,16 @@ class BucketWeightTransfer:
             name, False, self.attempts, total_s=time.perf_counter() - started, error=error
         )
 
-    def _check_served(self, client: ReplicaClient, version: int, expected: dict[str, str]) -> None:
-        """Whole-tensor digests; a tensor-parallel replica's workers hold slices, so for it the
-        full-state digest recomputed now over what its workers serve must be the version's."""
-        report = client.digests()
+    def _check_served(
+        self, client: ReplicaClient, version: int, expected: dict[str, str] | None
+    ) -> None:
+        """Whole-tensor digests against the trainer's (`expected`); without them (a replica
+        synced past the version they are of) or for a tensor-parallel replica, whose workers
+        hold slices, the full-state digest recomputed now over what its workers serve must be
+        the one the manifest gives `version`."""
+        report = client.digests() if expected is not None else {"workers": True}
         if report.get("workers") is None:
-            _check_digests(report["digests"], expected)
+            _check_digests(report["digests"], expected or {})
             return
         manifest = read_manifest(self.publisher.store)
         entries = [] if manifest is None else [*manifest.anchors, *manifest.deltas]
