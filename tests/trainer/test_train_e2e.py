@@ -59,7 +59,10 @@ def _assert_every_sync_verified(records: list, replicas: int, steps: int) -> Non
     assert records[0]["reward_mean"] is None  # the initial weights: no step, no reward
     for r in records:
         assert len(r["replicas"]) == replicas
-        assert all(s["ok"] and s["attempts"] == 1 for s in r["replicas"].values()), r
+        # Verified on every replica. A second attempt is allowed: on 2 shared cores a replica
+        # that also serves rollouts can stage so slowly that retention deletes the version's
+        # files first; the retry then goes to the newest version (trainer/weight_sync.py).
+        assert all(s["ok"] and s["attempts"] <= 2 for s in r["replicas"].values()), r
 
 
 def test_sanity_reward_rises_and_replica_stays_bitwise(tmp_path, tiny_model_dir, start_replica):
