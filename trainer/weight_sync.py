@@ -292,13 +292,12 @@ class BucketWeightTransfer:
             _check_digests(report["digests"], expected or {})
             return
         manifest = read_manifest(self.publisher.store)
-        entries = [] if manifest is None else [*manifest.anchors, *manifest.deltas]
-        promised = {e.state_digest for e in entries if e.version == version}
+        promised = None if manifest is None else manifest.version_digest(version)
         served_version, served = client.served_state_digest()
-        if served_version != version or served is None or served.hex() not in promised:
+        if served_version != version or served is None or served.hex() != promised:
             raise DeltaSyncError(
                 f"replica's served full-state digest {served} (version {served_version}) is not "
-                f"version {version}'s {sorted(map(str, promised))}"
+                f"version {version}'s {promised}"
             )
 
     def _write_metrics(self, record: SyncRecord) -> None:
