@@ -4,13 +4,15 @@
     python launch.py --local
     python launch.py --local --env wordle --steps 20         # the local Wordle server
     # Hugging Face: bucket + Docker Spaces (vLLM on a GPU, Wordle, dashboard), then the trainer here
-    python launch.py --model Qwen/Qwen3-1.7B --dry-run       # print the hf commands, change nothing
+    python launch.py --model Qwen/Qwen3-1.7B --dry-run       # show the hf commands; needs no login
     python launch.py --model Qwen/Qwen3-1.7B --replicas 2 --private
     python launch.py --model Qwen/Qwen3-1.7B --from-template OWNER   # duplicate OWNER's Spaces
     python launch.py --model Qwen/Qwen3-1.7B --teardown      # delete what launch.py made
 
 Arguments after `--` go to the trainer (`python -m trainer.train --help`). The replicas' bearer
-token is $DELTASYNC_API_KEY, else one generated and saved under --workdir.
+token is $DELTASYNC_API_KEY, else one generated and saved under --workdir. The replicas and the
+dashboard read the bucket with $DELTASYNC_READ_TOKEN (a fine-grained read token), else with the
+token you are logged in with.
 """
 
 from __future__ import annotations
@@ -58,10 +60,25 @@ def build_parser() -> argparse.ArgumentParser:
     hub.add_argument("--namespace", help="user or org that owns everything (default: you)")
     hub.add_argument("--name", default="deltasync", help="Space name prefix (default %(default)s)")
     hub.add_argument("--bucket", help="bucket name (default <name>-weights); --local: a folder")
-    hub.add_argument("--vllm-flavor", default="a10g-small", help="replica hardware (%(default)s)")
+    hub.add_argument(
+        "--vllm-flavor",
+        default="a10g-small",
+        help="replica hardware (%(default)s); `hf spaces hardware` lists the names",
+    )
+    hub.add_argument(
+        "--sleep-time",
+        type=int,
+        default=SpacesConfig.sleep_time_s,
+        metavar="SECONDS",
+        help="GPU replicas sleep after this long without requests; -1: never (%(default)s)",
+    )
     hub.add_argument("--env-flavor", default="cpu-basic", help="Wordle hardware (%(default)s)")
     hub.add_argument("--dashboard-flavor", default="cpu-basic", help="(default %(default)s)")
-    hub.add_argument("--private", action="store_true", help="private bucket and dashboard")
+    hub.add_argument(
+        "--private",
+        action="store_true",
+        help="private bucket and dashboard (a re-run without it makes them public)",
+    )
     hub.add_argument(
         "--from-template",
         metavar="OWNER",
@@ -80,13 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-dir",
         type=Path,
         default=Path(defaults.MODEL_DIR),
-        help=f"where {defaults.TINY!r} is built",
+        help=f"where a random Qwen3 ({', '.join(defaults.BUILT)}) is built",
     )
     local.add_argument("--vllm-port", type=int, default=defaults.VLLM_PORT, help="replica i: +10*i")
     local.add_argument("--env-port", type=int, default=defaults.ENV_PORT)
     local.add_argument("--dashboard-port", type=int, default=defaults.DASHBOARD_PORT)
     local.add_argument("--startup-timeout", type=float, default=900, help="seconds")
     local.add_argument("--seed", type=int, default=0)
+    local.add_argument(
+        "--verbose",
+        action="store_true",
+        help="stream every process's raw output (default: one line per version; raw output in "
+        "the log files)",
+    )
     return p
 
 
@@ -110,6 +133,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.replicas < 1:
         parser.error("--replicas must be at least 1")
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be at least 1")
+    for flag in ("--vllm-port", "--env-port", "--dashboard-port"):
+        port = getattr(args, flag[2:].replace("-", "_"))
+        last = port + 10 * (args.replicas - 1) if flag == "--vllm-port" else port
+        if not 1024 <= port <= last <= 65535:
+            parser.error(f"{flag} {port}: ports (and +10 per replica) must be in 1024-65535")
+    if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
+        parser.error(f"--workdir {args.workdir} is a file, not a folder")
+    if args.sleep_time < 1 and args.sleep_time != -1:
+        parser.error("--sleep-time must be a number of seconds, or -1 for never")
     try:
         if args.local:
             from launcher.local import run_local
@@ -132,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 api_key=api_key,
                 seed=args.seed,
                 dry_run=args.dry_run,
+                verbose=args.verbose,
             )
             return run_local(cfg)
         return _spaces(args, parser, env, stamp, api_key, trainer_args)
@@ -153,9 +188,9 @@ def _spaces(args, parser, env, stamp, api_key, trainer_args) -> int:
 
     if not args.model and not args.teardown:
         parser.error("--model is required for Spaces (a Hub id, e.g. Qwen/Qwen3-1.7B), or --local")
-    if args.model == defaults.TINY:
+    if args.model in defaults.BUILT:
         parser.error(
-            f"--model {defaults.TINY} exists only with --local; the Spaces need a Hub model id"
+            f"--model {args.model} exists only with --local; the Spaces need a Hub model id"
         )
     cfg = SpacesConfig(
         model=args.model or "",
@@ -164,6 +199,7 @@ def _spaces(args, parser, env, stamp, api_key, trainer_args) -> int:
         bucket=args.bucket,
         replicas=args.replicas,
         vllm_flavor=args.vllm_flavor,
+        sleep_time_s=args.sleep_time,
         env_flavor=args.env_flavor,
         dashboard_flavor=args.dashboard_flavor,
         env=env,
@@ -178,6 +214,7 @@ def _spaces(args, parser, env, stamp, api_key, trainer_args) -> int:
         workdir=args.workdir or Path("out/launch"),
         trainer_args=tuple(trainer_args),
         api_key=api_key,
+        read_token=os.environ.get("DELTASYNC_READ_TOKEN") or None,
         hf_cli=args.hf_cli,
         dry_run=args.dry_run,
     )

@@ -15,6 +15,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from deltasync.arguments import count, folder, json_path, learning_rate
+
 from . import codec
 
 __all__ = ["main"]
@@ -32,11 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("qwen3-tiny", "qwen3-100m", "qwen3-0.6b"),
         help="shape (default qwen3-100m: ~2 min on 2 cores; qwen3-0.6b: ~8 min)",
     )
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
-    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
-    p.add_argument("--repeat", type=int, default=1, help="timings: best of N (default 1)")
-    p.add_argument("--cache", default=None, help="keep the trained steps here for re-runs")
-    p.add_argument("--json", default=None, help="also write the results as JSON here")
+    p.add_argument("--steps", type=count, default=4, help="optimizer steps (default 4)")
+    p.add_argument(
+        "--lr", type=learning_rate, default=1e-6, help="AdamW learning rate (default 1e-6)"
+    )
+    p.add_argument("--repeat", type=count, default=1, help="timings: best of N (default 1)")
+    p.add_argument(
+        "--cache", type=folder, default=None, help="keep the trained steps here for re-runs"
+    )
+    p.add_argument(
+        "--json", type=json_path, default=None, help="also write the results as JSON here"
+    )
     return p
 
 

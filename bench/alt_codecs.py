@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import zstandard
 
+from deltasync.arguments import count, folder, json_path, learning_rate
+
 from .codec import _leb128, entropy_floor
 from .output import save_json
 from .realistic import SHAPES, deltas
@@ -125,10 +127,10 @@ def evaluate(diff, levels=(1, 3)) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="alternative index/value streams")
     ap.add_argument("--model", default="qwen3-100m", choices=sorted(SHAPES))
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--cache", default=None)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--steps", type=count, default=6)
+    ap.add_argument("--lr", type=learning_rate, default=1e-6)
+    ap.add_argument("--cache", type=folder, default=None)
+    ap.add_argument("--json", type=json_path, default=None)
     args = ap.parse_args(argv)
     rows = []
     for step, diff in enumerate(

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import zstandard
 
+from deltasync.arguments import zstd_level
+
 from .realistic import SHAPES
 from .synthetic import synthetic_states
 
@@ -69,7 +71,7 @@ def measure(model: str, levels: list[int]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="anchor compression: plain vs zstd vs byte-grouped")
     ap.add_argument("--model", default="qwen3-100m", choices=sorted(SHAPES))
-    ap.add_argument("--levels", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--levels", type=zstd_level, nargs="+", default=[1, 3])
     args = ap.parse_args(argv)
     measure(args.model, args.levels)
     return 0

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from deltasync.arguments import count, fraction, json_path
 from deltasync.device_snapshot import DeviceSnapshot
 from deltasync.snapshot import Bf16Snapshot, digests_after
 
@@ -91,13 +92,11 @@ def measure(model: str, *, density: float, steps: int, repeat: int) -> list[dict
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="trainer blocking time per step")
     ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
-    ap.add_argument("--density", type=float, default=0.02)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=3, help="best of N for the host modes")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--density", type=fraction, default=0.02)
+    ap.add_argument("--steps", type=count, default=4)
+    ap.add_argument("--repeat", type=count, default=3, help="best of N for the host modes")
+    ap.add_argument("--json", type=json_path, default=None)
     args = ap.parse_args(argv)
-    if not 0 < args.density < 1 or args.steps < 1:
-        ap.error("--density must lie in (0, 1) and --steps be >= 1")
     rows = measure(args.model, density=args.density, steps=args.steps, repeat=args.repeat)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "step"}
     print(f"### {args.model}, {len(rows)} steps at {100 * med['density']:.2f} % density")

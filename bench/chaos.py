@@ -28,13 +28,13 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deltasync.arguments import count, folder, json_path, rate, scratch, whole
 from deltasync.errors import DeltaSyncError
 from deltasync.garbage import find_unreferenced
 from deltasync.manifest import read_manifest
@@ -151,7 +151,7 @@ def _rss_mb(proc) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="deltasync-chaos-", dir=args.workdir))
+    work = scratch(args.workdir, "deltasync-chaos-")
     rng = random.Random(args.seed)
     schedule = Schedule.draw(rng, args.versions, args.replicas, args.trainer_kills)
     model = work / "model"
@@ -317,17 +317,15 @@ def summary(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--versions", type=int, default=200)
-    ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--trainer-kills", type=int, default=4, help="replica kills: half as many")
-    ap.add_argument("--fault-rate", type=float, default=0.03, help="per store attempt")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workdir", default=None, help="created if missing")
+    ap.add_argument("--versions", type=count, default=200)
+    ap.add_argument("--replicas", type=count, default=2)
+    ap.add_argument("--trainer-kills", type=whole, default=4, help="replica kills: half as many")
+    ap.add_argument("--fault-rate", type=rate, default=0.03, help="per store attempt")
+    ap.add_argument("--seed", type=whole, default=0)
+    ap.add_argument("--workdir", type=folder, default=None, help="created if missing")
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=json_path, default=None)
     args = ap.parse_args(argv)
-    if args.workdir:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     res = run(args)
     report(summary(res), res, args.json, key="summary")
     ok = not (res["mismatches"] or res["committed_lost"] or res["orphans"])

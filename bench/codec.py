@@ -45,6 +45,7 @@ import safetensors.torch
 import torch
 import zstandard
 
+from deltasync.arguments import count, folder, json_path, learning_rate, whole
 from deltasync.codec import encode_anchor, encode_delta
 from deltasync.digest import tensor_digest
 from deltasync.replica import Replica
@@ -509,23 +510,24 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="deltasync codec benchmark on realistic deltas")
     ap.add_argument("--model", default="qwen3-100m", choices=sorted(SHAPES))
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=count, default=6)
+    ap.add_argument("--lr", type=learning_rate, default=1e-6)
+    ap.add_argument("--seed", type=whole, default=0)
+    ap.add_argument("--batch", type=count, default=2)
+    ap.add_argument("--seq", type=count, default=128)
     ap.add_argument(
         "--cache",
+        type=folder,
         default=None,
         help="folder for generated steps (train once, replay later); default: live",
     )
     ap.add_argument(
         "--repeat",
-        type=int,
+        type=count,
         default=3,
         help="time each operation this many times and keep the best (default 3)",
     )
-    ap.add_argument("--json", default=None, help="write results as JSON here")
+    ap.add_argument("--json", type=json_path, default=None, help="write results as JSON here")
     ap.add_argument(
         "--no-coo-apply",
         action="store_true",

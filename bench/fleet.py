@@ -23,12 +23,12 @@ import secrets
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from deltasync.arguments import count, folder, json_path, scratch
 from deltasync.manifest import read_manifest
 from deltasync.store import LocalStore
 from deltasync.vllm_ext.client import ReplicaClient
@@ -41,7 +41,7 @@ RUN_ID = "fleet"
 
 
 def run(args: argparse.Namespace) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="deltasync-fleet-", dir=args.workdir))
+    work = scratch(args.workdir, "deltasync-fleet-")
     model = Path(prepare_model("tiny", str(work / "model" / "tiny"), seed=0))
     bucket = work / "bucket"
     bucket.mkdir()
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
         threading.Thread(target=sample, daemon=True).start()
         cmd = [sys.executable, "-m", "trainer.train", "--model", "tiny", "--model-dir", str(model)]
         cmd += ["--bucket", str(bucket), "--run-id", RUN_ID, "--steps", str(args.steps)]
-        cmd += ["--output-dir", str(work / "out"), "--verify-replicas"]
+        cmd += ["--output-dir", str(work / "out"), "--verify-replicas", "--verbose"]
         cmd += ["--vllm-server-url", clients["vllm-0"].base_url]
         for name in samples:
             cmd += ["--follower-url", clients[name].base_url]
@@ -134,9 +134,9 @@ def table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--steps", type=count, default=30)
+    ap.add_argument("--workdir", type=folder, default=None)
+    ap.add_argument("--json", type=json_path, default=None)
     args = ap.parse_args(argv)
     res = run(args)
     report(table(res), res, args.json)

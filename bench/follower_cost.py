@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from collections import Counter
 from contextlib import ExitStack
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from deltasync import AnchorPolicy, Publisher, PublisherConfig
+from deltasync.arguments import count, folder, json_path, learning_rate, positive, scratch
 from deltasync.manifest import read_manifest
 from deltasync.store import LocalStore
 from deltasync.vllm_ext.client import ReplicaClient
@@ -196,20 +196,25 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _fleets(text: str) -> list[int]:
+    """Comma-separated follower counts, each >= 1."""
+    return [count(n) for n in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--versions", type=int, default=20)
-    ap.add_argument("--step-s", type=float, default=2.0, help="seconds per training step")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--fleets", default="1,3", help="follower counts to compare")
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--versions", type=count, default=20)
+    ap.add_argument("--step-s", type=positive, default=2.0, help="seconds per training step")
+    ap.add_argument("--lr", type=learning_rate, default=1e-3)
+    ap.add_argument(
+        "--fleets", type=_fleets, default=[1, 3], help="follower counts to compare (1,3)"
+    )
+    ap.add_argument("--workdir", type=folder, default=None)
+    ap.add_argument("--json", type=json_path, default=None)
     args = ap.parse_args(argv)
-    if args.workdir is not None:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="deltasync-follower-cost-", dir=args.workdir))
+    work = scratch(args.workdir, "deltasync-follower-cost-")
     model_dir = Path(prepare_model("tiny", str(work / "model"), seed=0))
-    fleets = [int(n) for n in args.fleets.split(",")]
+    fleets = args.fleets
     torch.set_num_threads(1)  # no idle OpenMP threads spinning on a busy machine's CPU clock
     results = [measure(model_dir, work, n, max(fleets), args) for n in fleets]
     report(table(results), {"runs": results}, args.json)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from deltasync.arguments import count, json_path, learning_rate, torch_device, whole
 from deltasync.codec import encode_anchor, encode_delta
 from deltasync.device_snapshot import DeviceSnapshot
 from deltasync.replica import Replica
@@ -170,18 +171,14 @@ def run(model: str, device: torch.device, steps: int, lr: float, seed: int) -> d
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", type=torch_device, default="cuda")
     p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b"], choices=SHAPES)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write the result here")
+    p.add_argument("--steps", type=count, default=3)
+    p.add_argument("--lr", type=learning_rate, default=1e-6)
+    p.add_argument("--seed", type=whole, default=0)
+    p.add_argument("--json", type=json_path, default=None, help="also write the result here")
     args = p.parse_args(argv)
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("no CUDA device here: pass --device cpu to run the same checks on the CPU")
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from deltasync.arguments import fraction, json_path, torch_device
 from deltasync.changes import TensorChange
 from deltasync.state_digest import total
 from deltasync.state_hash import apply_changes, device_sum, state_sums, tensor_sum
@@ -105,10 +106,10 @@ def run(model: str, device: torch.device, density: float) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_digest", description=__doc__)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", type=torch_device, default="cuda")
     p.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
-    p.add_argument("--density", type=float, default=0.02)
-    p.add_argument("--json", default=None, help="also write the result here")
+    p.add_argument("--density", type=fraction, default=0.02)
+    p.add_argument("--json", type=json_path, default=None, help="also write the result here")
     args = p.parse_args(argv)
     result = run(args.model, torch.device(args.device), args.density)
     print(json.dumps(result, indent=1))

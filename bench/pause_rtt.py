@@ -21,15 +21,14 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import aiohttp
 import torch
 from aiohttp import web
 
+from deltasync.arguments import count, folder, json_path, non_negative, scratch
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
 from deltasync.store import open_store
@@ -99,7 +98,7 @@ def _old_protocol(client: ReplicaClient, version: int) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="deltasync-pause-rtt-", dir=args.workdir))
+    work = scratch(args.workdir, "deltasync-pause-rtt-")
     model = build_tiny_qwen3(work / "model", seed=0, init_std=0.02)
     bucket = work / "bucket"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
@@ -161,13 +160,11 @@ def table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--delays-ms", type=float, nargs="+", default=[0, 50, 150])
-    ap.add_argument("--syncs", type=int, default=6, help="per delay and protocol")
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--delays-ms", type=non_negative, nargs="+", default=[0, 50, 150])
+    ap.add_argument("--syncs", type=count, default=6, help="per delay and protocol")
+    ap.add_argument("--workdir", type=folder, default=None)
+    ap.add_argument("--json", type=json_path, default=None)
     args = ap.parse_args(argv)
-    if args.workdir:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     res = run(args)
     report(table(res), res, args.json)
     return 0

@@ -45,6 +45,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deltasync.arguments import count, folder, learning_rate, whole
+
 __all__ = [
     "SHAPES",
     "Shape",
@@ -350,13 +352,15 @@ def deltas(model: str = "qwen3-100m", steps: int = 6, **kwargs) -> Iterator:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-100m", choices=sorted(SHAPES))
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--cache", default=None, help="cache folder (default: train live, no cache)")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--steps", type=count, default=6)
+    ap.add_argument("--lr", type=learning_rate, default=1e-6)
+    ap.add_argument("--seed", type=whole, default=0)
+    ap.add_argument("--batch", type=count, default=2)
+    ap.add_argument("--seq", type=count, default=128)
+    ap.add_argument(
+        "--cache", type=folder, default=None, help="cache folder (default: train live, no cache)"
+    )
+    ap.add_argument("--threads", type=count, default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

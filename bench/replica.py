@@ -24,12 +24,12 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from deltasync.arguments import count, folder, fraction, json_path, learning_rate, scratch, whole
 from deltasync.digest import tensor_digest
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
@@ -84,7 +84,7 @@ def _full_reload(client: ReplicaClient, model_dir: Path) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="deltasync-bench-replica-", dir=args.workdir))
+    work = scratch(args.workdir, "deltasync-bench-replica-")
     bucket = work / "bucket"
     store = open_store(str(bucket))
     policy = AnchorPolicy(interval=10_000, max_delta_fraction=None)
@@ -212,21 +212,25 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
-    ap.add_argument("--steps", type=int, default=6, help="deltas (alternating prepack on/off)")
-    ap.add_argument("--cache", default=None, help="realistic steps cache (see realistic.py)")
+    ap.add_argument("--steps", type=count, default=6, help="deltas (alternating prepack on/off)")
+    ap.add_argument(
+        "--cache", type=folder, default=None, help="realistic steps cache (see realistic.py)"
+    )
     ap.add_argument(
         "--synthetic",
-        type=float,
+        type=fraction,
         default=None,
         metavar="DENSITY",
         help="use synthetic steps at this density instead of realistic ones",
     )
-    ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeat", type=int, default=3, help="full reloads to time (default 3)")
-    ap.add_argument("--workdir", default=None, help="parent of the temporary bucket and model")
+    ap.add_argument("--lr", type=learning_rate, default=1e-6)
+    ap.add_argument("--seed", type=whole, default=0)
+    ap.add_argument("--repeat", type=count, default=3, help="full reloads to time (default 3)")
+    ap.add_argument(
+        "--workdir", type=folder, default=None, help="parent of the temporary bucket and model"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the bucket, model and server log")
-    ap.add_argument("--json", default=None, help="write results as JSON here")
+    ap.add_argument("--json", type=json_path, default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
     res = run(args)
     report(markdown(res), res, args.json)

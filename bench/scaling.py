@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -20,6 +19,7 @@ from functools import partial
 
 import psutil
 
+from deltasync.arguments import count, fraction, json_path
 from deltasync.codec import encode_anchor
 from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot
@@ -27,6 +27,7 @@ from deltasync.state_hash import apply_changes, state_sums
 
 from .codec import _encode_delta, _timed, _update
 from .memory import PeakRss
+from .output import save_json
 from .realistic import SHAPES
 from .synthetic import synthetic_states
 
@@ -121,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         default=["qwen3-100m", "qwen3-0.6b", "qwen3-1.7b"],
         choices=sorted(SHAPES),
     )
-    ap.add_argument("--density", type=float, default=0.02)
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=2, help="best of N per operation (default 2)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--density", type=fraction, default=0.02)
+    ap.add_argument("--steps", type=count, default=2)
+    ap.add_argument("--repeat", type=count, default=2, help="best of N per operation (default 2)")
+    ap.add_argument("--json", type=json_path, default=None)
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
     results = [
@@ -136,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()} cpus; load average {load:.1f} -> {os.getloadavg()[0]:.1f}"
     )
     print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"density": args.density, "results": results, "markdown": table}, f, indent=1)
+    save_json({"density": args.density, "results": results, "markdown": table}, args.json)
     return 0
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from deltasync.arguments import count, fraction, json_path
+
 from .output import report
 
 __all__ = ["main"]
@@ -148,15 +150,17 @@ def _run(shape: str, ranks: int, steps: int, density: float, pin: bool) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .realistic import SHAPES
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="qwen3-0.6b")
-    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--density", type=float, default=0.02)
+    ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    ap.add_argument("--ranks", type=count, nargs="+", default=[1, 2])
+    ap.add_argument("--steps", type=count, default=3)
+    ap.add_argument("--density", type=fraction, default=0.02)
     ap.add_argument(
         "--pin", action="store_true", help="pin each rank to one core of its own (rank r: core r)"
     )
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=json_path, default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bucket", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

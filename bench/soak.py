@@ -22,13 +22,12 @@ import secrets
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
-from pathlib import Path
 
 import torch
 
+from deltasync.arguments import count, folder, json_path, learning_rate, scratch, whole
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
 from deltasync.snapshot import Bf16Snapshot
@@ -60,7 +59,7 @@ def _slope_per_100(series: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="deltasync-soak-", dir=args.workdir))
+    work = scratch(args.workdir, "deltasync-soak-")
     token = secrets.token_hex(16)
     torch.manual_seed(args.seed)
     model = build_tiny_qwen3(work / "model", seed=args.seed, init_std=0.02)
@@ -177,17 +176,20 @@ def summary(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--syncs", type=int, default=500)
-    ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--anchor-interval", type=int, default=25)
+    ap.add_argument("--syncs", type=count, default=500)
+    ap.add_argument("--replicas", type=count, default=2)
+    ap.add_argument("--lr", type=learning_rate, default=1e-4)
+    ap.add_argument("--anchor-interval", type=count, default=25)
     ap.add_argument(
-        "--block", type=int, default=50, help="versions per block (packed, coo, packed, no prepack)"
+        "--block",
+        type=count,
+        default=50,
+        help="versions per block (packed, coo, packed, no prepack)",
     )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--seed", type=whole, default=0)
+    ap.add_argument("--workdir", type=folder, default=None)
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=json_path, default=None)
     args = ap.parse_args(argv)
     res = run(args)
     report(summary(res), res, args.json, key="summary")

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from deltasync.arguments import count, fraction, json_path
 from deltasync.changes import WORKERS
 from deltasync.digest import tensor_digest
 from deltasync.snapshot import Bf16Snapshot
@@ -106,9 +107,11 @@ def render(result: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.state_digest", description=__doc__)
     p.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
-    p.add_argument("--density", type=float, default=0.02, help="changed share (default 0.02)")
-    p.add_argument("--repeat", type=int, default=3, help="best of N (default 3)")
-    p.add_argument("--json", default=None, help="also write the results as JSON here")
+    p.add_argument("--density", type=fraction, default=0.02, help="changed share (default 0.02)")
+    p.add_argument("--repeat", type=count, default=3, help="best of N (default 3)")
+    p.add_argument(
+        "--json", type=json_path, default=None, help="also write the results as JSON here"
+    )
     args = p.parse_args(argv)
     result = measure(args.model, density=args.density, repeat=args.repeat)
     report(render(result), result, args.json)

@@ -22,9 +22,11 @@ import statistics
 import tempfile
 import time
 
+from deltasync.arguments import count, fraction, json_path
 from deltasync.store import LocalStore
 
 from .output import report
+from .realistic import SHAPES
 
 __all__ = ["CountingStore", "main"]
 
@@ -143,11 +145,11 @@ def _table(results: dict, sizes: list[int]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shape", default="qwen3-0.6b")
-    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--deltas", type=int, default=3)
-    p.add_argument("--density", type=float, default=0.02)
-    p.add_argument("--json", default=None)
+    p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    p.add_argument("--sizes", type=count, nargs="+", default=[1, 2])
+    p.add_argument("--deltas", type=count, default=3)
+    p.add_argument("--density", type=fraction, default=0.02)
+    p.add_argument("--json", type=json_path, default=None)
     args = p.parse_args(argv)
     results = _run(args)
     report(_table(results, args.sizes), results, args.json)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from websockets.asyncio.client import ClientConnection, connect
 
+from deltasync.arguments import count, http_url
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FILLERS = ("slate", "pious", "dwelt", "handy", "eerie", "robot")
 STARTUP_TIMEOUT_S = 60.0
@@ -139,13 +141,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sessions", type=int, default=256, help="concurrent sessions")
-    parser.add_argument("--games", type=int, default=4, help="games per session")
-    parser.add_argument("--url", help="use this server instead of starting one")
+    parser.add_argument("--sessions", type=count, default=256, help="concurrent sessions")
+    parser.add_argument("--games", type=count, default=4, help="games per session")
+    parser.add_argument("--url", type=http_url, help="use this server instead of starting one")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
-    if args.sessions < 1 or args.games < 1:
-        parser.error("--sessions and --games must be >= 1")
+    if args.url is not None:
+        try:
+            with urllib.request.urlopen(f"{args.url}/health", timeout=5):
+                pass
+        except OSError as exc:  # refused, unknown host, timeout, HTTP error
+            parser.error(f"--url {args.url}: no Wordle server answers /health ({exc})")
     result = run(args.sessions, args.games, args.url)
     if args.json:
         print(json.dumps(asdict(result)))

@@ -1,12 +1,17 @@
 """`python -m deltasync`: demo, inspect a file, verify a bucket's chain, materialise a checkpoint,
-remove garbage.
+export a version as a model repository, remove garbage.
 
 Examples:
     python -m deltasync demo --bucket ./bucket --steps 30
     python -m deltasync inspect ./bucket/runs/r1/deltas/00000002-0123456789ab.safetensors
     python -m deltasync verify ./bucket
     python -m deltasync replay s3://my-bucket/rl --version 40 --out ./ckpt-40
+    python -m deltasync export ./bucket --version 40 --out ./model-40
+    python -m deltasync export hf://buckets/me/rl --to me/qwen3-grpo --model Qwen/Qwen3-0.6B
     python -m deltasync gc ./bucket --delete
+
+User mistakes end in one line (`deltasync: error: ...`, exit status 1; `--debug` shows the
+traceback); argument errors are argparse's (exit status 2).
 """
 
 from __future__ import annotations
@@ -22,15 +27,29 @@ from tqdm import tqdm
 
 from . import MissingExtra, import_tensor_side
 from .codec import ENCODINGS, read_metadata
-from .errors import DeltaSyncError, FormatError
+from .errors import DeltaSyncError, FormatError, StoreError
 from .garbage import find_unreferenced
 from .manifest import fetch_entry, read_manifest
-from .store import open_store
+from .store import Store, open_store
 
 __all__ = ["main"]
 
 
+def _existing_bucket(url: str) -> Store:
+    """A bucket to read: a folder must exist (`open_store` creates a missing one, as a
+    publisher needs, which would hide a mistyped path behind 'no manifest')."""
+    if "://" not in url or url.startswith("file://"):
+        folder = Path(url.removeprefix("file://")).expanduser()
+        if not folder.is_dir():
+            raise StoreError(
+                f"no bucket folder at {url}" + (" (it is a file)" if folder.exists() else "")
+            )
+    return open_store(url)
+
+
 def _inspect(args: argparse.Namespace) -> int:
+    if "://" in args.file and args.file.split("://", 1)[0] not in fsspec.available_protocols():
+        raise StoreError(f"unknown protocol in {args.file!r}; give a path or an fsspec URL")
     with fsspec.open(args.file, "rb", block_size=64 * 1024) as f:
         size = f.size
 
@@ -77,7 +96,7 @@ def _verify(args: argparse.Namespace) -> int:
     Replica = import_tensor_side("deltasync.replica").Replica
     full_state_digest = import_tensor_side("deltasync.state_hash").full_state_digest
 
-    store = open_store(args.bucket)
+    store = _existing_bucket(args.bucket)
     manifest = read_manifest(store)
     if manifest is None:
         raise FormatError("bucket has no manifest (nothing published yet)", path=args.bucket)
@@ -135,7 +154,7 @@ def _replay(args: argparse.Namespace) -> int:
     encode_anchor = import_tensor_side("deltasync.codec.files").encode_anchor
     Replica = import_tensor_side("deltasync.replica").Replica
 
-    store = open_store(args.bucket)
+    store = _existing_bucket(args.bucket)
     manifest = read_manifest(store)
     if manifest is None:
         raise FormatError("bucket has no manifest (nothing published yet)", path=args.bucket)
@@ -157,7 +176,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     """List (and with --delete remove) the chain files no manifest names."""
-    store = open_store(args.bucket)
+    store = _existing_bucket(args.bucket)
     manifest = read_manifest(store)
     garbage = find_unreferenced(store, manifest)
     sizes = {path: store.size(path) for path in garbage}
@@ -175,12 +194,94 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from .export import export
+
+    if args.quiet:  # the Hub client's own upload bars too
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    store = _existing_bucket(args.bucket)
+    lines = export(
+        store,
+        version=args.version,
+        run_id=args.run_id,
+        model=args.model,
+        out=args.out,
+        to=args.to,
+        private=args.private,
+        progress=None if args.quiet else lambda plan: tqdm(plan, desc="replay", unit="file"),
+    )
+    print("\n".join(lines))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     import logging
 
     run_demo = import_tensor_side("deltasync.demo").run_demo
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     return 1 if run_demo(args.bucket, args.steps, args.lr, args.encoding) else 0
+
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 1 (versions and steps count from 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _learning_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a learning rate in (0, 1), got {text}")
+    return value
+
+
+def _repo_id(text: str) -> str:
+    from .export_hub import validate_target
+
+    try:
+        return validate_target(text)
+    except DeltaSyncError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--to ")) from None
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="a committed version as a model repository (weights, config, tokenizer): a folder "
+        "(--out) or a Hub upload (--to)",
+        description="Replay a committed version of the bucket's run, verify it against the "
+        "manifest's full-state digest, and write it as a model repository that transformers "
+        "and vLLM load: bf16 safetensors, config.json, tokenizer and README.md. Config and "
+        "tokenizer come from --model, or else from the checkpoint the run's version-1 virtual "
+        "anchor names (while the bucket still holds it).",
+    )
+    p.add_argument("bucket", help="folder, hf://buckets/NS/NAME, s3://..., memory://...")
+    p.add_argument("--version", type=_count, default=None, help="version (default: the latest)")
+    p.add_argument("--run-id", default=None, help="refuse unless the bucket's run is this one")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hub id or folder of the model the trainer loaded: its config and tokenizer "
+        "(default: the checkpoint the run's virtual anchor names)",
+    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--to", type=_repo_id, metavar="OWNER/REPO", help="upload to this model repo"
+    )
+    where.add_argument("--out", metavar="DIR", help="write this folder instead (new or empty)")
+    p.add_argument("--private", action="store_true", help="create the Hub repository private")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_export)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,8 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="train a small model and sync it through a local bucket")
     p.add_argument("--bucket", default="./bucket", help="bucket folder or URL (default ./bucket)")
-    p.add_argument("--steps", type=int, default=30, help="versions to publish (default 30)")
-    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
+    p.add_argument("--steps", type=_count, default=30, help="versions to publish (default 30)")
+    p.add_argument(
+        "--lr", type=_learning_rate, default=1e-6, help="AdamW learning rate (default 1e-6)"
+    )
     p.add_argument(
         "--encoding",
         choices=ENCODINGS,
@@ -213,10 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_verify)
     p = sub.add_parser("replay", help="materialise the checkpoint of one version")
     p.add_argument("bucket", help="folder, hf://buckets/NS/NAME, s3://..., memory://...")
-    p.add_argument("--version", type=int, default=None, help="version (default: latest)")
+    p.add_argument("--version", type=_count, default=None, help="version (default: latest)")
     p.add_argument("--out", required=True, help="output folder for model.safetensors")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_replay)
+    _add_export(sub)
     p = sub.add_parser(
         "gc",
         help="list anchors, deltas and parts no manifest names (failed, fenced or replaced "
@@ -236,5 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DeltaSyncError, OSError, MissingExtra) as exc:  # e.g. a version not retained
         if args.debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"deltasync: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("deltasync: interrupted", file=sys.stderr)
+        return 130

@@ -1,15 +1,15 @@
-"""Command lines of the parts: trainer, vLLM replica, Wordle server, dashboard, tiny model."""
+"""Command lines of the parts: trainer, vLLM replica, Wordle server, dashboard, built model."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainer.defaults import TINY
-
 __all__ = [
+    "class_path_env",
     "dashboard_command",
     "prepare_command",
     "replica_command",
@@ -21,7 +21,7 @@ __all__ = [
 PY = sys.executable
 _PREPARE = (
     "import sys; from trainer.config import prepare_model; "
-    f"print(prepare_model({TINY!r}, sys.argv[1], seed=int(sys.argv[2])))"
+    "print(prepare_model(sys.argv[1], sys.argv[2], seed=int(sys.argv[3])))"
 )
 
 
@@ -78,6 +78,15 @@ def dashboard_command(bucket: str, port: int) -> list[str]:
     return [*cmd, "--host", "127.0.0.1", "--port", str(port)]
 
 
-def prepare_command(model_dir: Path, seed: int) -> list[str]:
-    """Builds the tiny Qwen3 offline (once per seed) in `model_dir`."""
-    return [PY, "-c", _PREPARE, str(model_dir), str(seed)]
+def prepare_command(model: str, model_dir: Path, seed: int) -> list[str]:
+    """Builds a random Qwen3 preset (`tiny`, `small`) offline, once per seed, in `model_dir`."""
+    return [PY, "-c", _PREPARE, model, str(model_dir), str(seed)]
+
+
+def class_path_env(kind: str) -> dict[str, str]:
+    """A session class (`--env package.module:Class`) is imported by the trainer, which runs
+    in the repository: give it the folder launch.py was started from, then PYTHONPATH."""
+    if kind in ("sanity", "wordle", "openenv"):
+        return {}
+    paths = (os.getcwd(), os.environ.get("PYTHONPATH"))
+    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer import defaults
@@ -22,13 +22,20 @@ def check_name(value: str | None, what: str, max_len: int) -> None:
         )
 
 
+_SESSION_CLASS = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
 def env_kind(env: str) -> str:
-    """`sanity`, `wordle`, or `openenv` (an OpenEnv server's URL) - the trainer's --env."""
-    if env in ("sanity", "wordle"):
+    """The trainer's --env: `sanity`, `wordle`, `openenv` (an OpenEnv server's URL, given to
+    the trainer as --env-url), or a `package.module:Class` session class itself."""
+    if env in ("sanity", "wordle") or _SESSION_CLASS.fullmatch(env):
         return env
     if env.startswith(("http://", "https://")):
         return "openenv"
-    raise ValueError(f"--env must be sanity, wordle or an OpenEnv URL (http[s]://...), not {env!r}")
+    raise ValueError(
+        "--env must be sanity, wordle, an OpenEnv URL (http[s]://...) or a session class "
+        f"(package.module:Class), not {env!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class SpacesConfig:
     bucket: str | None = None  # bucket name; default <name>-weights
     replicas: int = 1
     vllm_flavor: str = "a10g-small"
+    sleep_time_s: int = 3600  # GPU replicas: idle seconds until the Hub sleeps them; -1 never
     env_flavor: str = "cpu-basic"
     dashboard_flavor: str = "cpu-basic"
     env: str = defaults.SPACES_ENV
@@ -54,7 +62,9 @@ class SpacesConfig:
     poll_s: float = 10.0
     workdir: Path = Path("out/launch")
     trainer_args: tuple[str, ...] = ()
-    api_key: str | None = None  # DELTASYNC_API_KEY from the environment, if set
+    api_key: str | None = field(default=None, repr=False)  # DELTASYNC_API_KEY, if set
+    # DELTASYNC_READ_TOKEN: a fine-grained read token for the Spaces that only read the bucket
+    read_token: str | None = field(default=None, repr=False)
     hf_cli: str | None = None
     dry_run: bool = False
 
@@ -80,6 +90,7 @@ class LocalConfig:
     api_key: str | None = None
     seed: int = 0
     dry_run: bool = False
+    verbose: bool = False  # stream every process's raw output, not only one line per version
 
     @property
     def run_dir(self) -> Path:

@@ -110,12 +110,15 @@ class HfCli:
                 return None
             raise
 
-    def change(self, *args: str) -> Any:
-        """A command that changes something on the Hub; only printed in a dry run."""
+    def change(self, *args: str, stdin: str | None = None) -> Any:
+        """A command that changes something on the Hub; only printed in a dry run.
+
+        `stdin` goes to the CLI's standard input (`--secrets-file -`), never onto the command line.
+        """
         self.show(*args, "--format", "json")
         if self.dry_run:
             return None
-        return self._json(args)
+        return self._json(args, stdin)
 
     def text(self, *args: str) -> list[str]:
         """A read-only command whose output is text lines (`hf spaces logs`)."""
@@ -126,9 +129,9 @@ class HfCli:
             raise _explain(full, proc.stderr)
         return proc.stdout.splitlines()
 
-    def _json(self, args: tuple[str, ...]) -> Any:
+    def _json(self, args: tuple[str, ...], stdin: str | None = None) -> Any:
         full = (*args, "--format", "json")
-        proc = self._run(full)
+        proc = self._run(full, stdin)
         if proc.returncode != 0:
             raise _explain(full, proc.stderr)
         out = proc.stdout.strip()
@@ -147,14 +150,16 @@ class HfCli:
                 stderr=proc.stderr,
             ) from None
 
-    def _run(self, args: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    def _run(
+        self, args: tuple[str, ...], stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         try:
             return subprocess.run(
                 [self.executable, *args],
                 capture_output=True,
                 text=True,
                 env=self.env,
-                stdin=subprocess.DEVNULL,
+                input=stdin if stdin is not None else "",
                 timeout=_TIMEOUT_S,
             )
         except OSError as exc:

@@ -17,9 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.defaults import TINY
+from trainer.defaults import BUILT
+from trainer.env_report import load_warnings
 
 from .commands import (
+    class_path_env,
     dashboard_command,
     prepare_command,
     replica_command,
@@ -60,7 +62,7 @@ def local_plan(cfg: LocalConfig) -> LocalPlan:
     run_dir = cfg.run_dir.resolve()
     bucket = cfg.bucket_dir.resolve()
     model_dir = cfg.model_dir.resolve()
-    tiny = cfg.model == TINY
+    tiny = cfg.model in BUILT  # a random Qwen3 built offline
     served = str(model_dir) if tiny else cfg.model  # the replicas serve the trainer's string
     key = cfg.api_key or secrets.token_urlsafe(24)
     short = tiny and kind == "sanity"
@@ -99,6 +101,7 @@ def local_plan(cfg: LocalConfig) -> LocalPlan:
                 tuple(replica_command(served, str(bucket), port, vllm_args)),
                 env={"DELTASYNC_API_KEY": key},
                 ready_line="ready on ",
+                health_url=f"{urls[-1]}/health",  # 503 once its engine died, though it runs
                 # serve.py gives vLLM 20 s to stop its own process tree; give it that and more.
                 stop_grace_s=45,
             )
@@ -118,17 +121,23 @@ def local_plan(cfg: LocalConfig) -> LocalPlan:
                 output_dir=run_dir / "trainer",
                 seed=cfg.seed,
                 verify=True,
-                extra=cfg.trainer_args,
+                extra=(
+                    "--log-file",
+                    str(run_dir / "logs" / "trainer.log"),
+                    *(["--verbose"] if cfg.verbose else []),
+                    *cfg.trainer_args,
+                ),
             )
         ),
-        env={"DELTASYNC_API_KEY": key, "TRL_EXPERIMENTAL_SILENCE": "1"},
+        console=True,
+        env={"DELTASYNC_API_KEY": key, "TRL_EXPERIMENTAL_SILENCE": "1", **class_path_env(kind)},
         stop_grace_s=20,
     )
     prepare = None
     if tiny:
         prepare = ProcessSpec(
             "prepare",
-            tuple(prepare_command(model_dir, cfg.seed)),
+            tuple(prepare_command(cfg.model, model_dir, cfg.seed)),
             env={"TRL_EXPERIMENTAL_SILENCE": "1"},
         )
     return LocalPlan(prepare, tuple(services), trainer, bucket, run_dir, dashboard_url, key)
@@ -145,8 +154,9 @@ def run_local(cfg: LocalConfig, echo: Callable[[str], None] = print) -> int:
     _check_ports(cfg)
     plan.bucket.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with Supervisor(log_dir=plan.run_dir / "logs", cwd=REPO_ROOT) as sup:
+    with Supervisor(log_dir=plan.run_dir / "logs", cwd=REPO_ROOT, verbose=cfg.verbose) as sup:
         sup.say(f"run {cfg.run_name}: bucket {plan.bucket}, logs {plan.run_dir / 'logs'}")
+        sup.say(f"starting {', '.join(s.name for s in plan.services)} (a minute or two)")
         early = [sup.start(s) for s in plan.services if not s.name.startswith("vllm-")]
         if plan.prepare is not None:
             prep = sup.start(plan.prepare)
@@ -158,7 +168,10 @@ def run_local(cfg: LocalConfig, echo: Callable[[str], None] = print) -> int:
                 _check_context(cfg.model_dir.resolve())
         replicas = [sup.start(s) for s in plan.services if s.name.startswith("vllm-")]
         sup.wait_ready([*early, *replicas], cfg.startup_timeout_s)
-        sup.say(f"all healthy; dashboard at {plan.dashboard_url}; training {cfg.steps} steps")
+        sup.say(
+            f"all healthy in {time.monotonic() - started:.0f} s; dashboard at "
+            f"{plan.dashboard_url}; training {cfg.steps} steps"
+        )
         code = sup.wait_exit(sup.start(plan.trainer))
         sup.say(f"trainer exited with status {code}")
     for line in summarize(plan, cfg, time.monotonic() - started, code):
@@ -189,6 +202,7 @@ def summarize(plan: LocalPlan, cfg: LocalConfig, elapsed_s: float, code: int) ->
         f"bucket:    {plan.bucket}   (python -m deltasync verify {plan.bucket})",
         f"dashboard: was {plan.dashboard_url}; view it again with: {view}",
         f"logs:      {plan.run_dir / 'logs'}",
+        *(f"warning: {w}" for w in load_warnings(plan.run_dir / "trainer", cfg.run_name)),
     ]
 
 

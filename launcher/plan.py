@@ -1,17 +1,32 @@
 """What a Spaces launch creates: the bucket and each Space's name, hardware, variables, secrets.
 
-Pure functions of the configuration and the namespace, so a launch, its re-run, its dry run and
-its teardown agree on every name.
+Pure functions of the configuration, the namespace and the Hub's hardware list, so a launch, its
+re-run, its dry run and its teardown agree on every name.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .config import SpacesConfig
+from .errors import LaunchError
 
-__all__ = ["MARKER_TAG", "SDKS", "Plan", "SpaceSpec", "expected_host", "make_plan", "space_roles"]
+__all__ = [
+    "FLAVOR_OPTIONS",
+    "MARKER_TAG",
+    "PLACEHOLDER_NAMESPACE",
+    "SDKS",
+    "Hardware",
+    "Plan",
+    "SpaceSpec",
+    "expected_host",
+    "make_plan",
+    "space_roles",
+]
 
 # Every Space launch.py creates carries this tag (front matter of its README); a Space of the
 # same name without it belongs to someone else and is never updated or deleted.
@@ -20,6 +35,49 @@ TOKEN_SECRET = "HF_TOKEN"
 # The Space SDK of each template (spaces/<kind>/README.md's front matter says the same).
 SDKS = {"vllm": "docker", "wordle": "docker", "dashboard": "gradio"}
 API_KEY_SECRET = "DELTASYNC_API_KEY"
+# What a dry run without a login names things under (unless --namespace says).
+PLACEHOLDER_NAMESPACE = "your-namespace"
+# The launch.py option that sets each kind's hardware (named in errors).
+FLAVOR_OPTIONS = {
+    "vllm": "--vllm-flavor",
+    "wordle": "--env-flavor",
+    "dashboard": "--dashboard-flavor",
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The Hub's Spaces hardware (`hf spaces hardware`): valid names, and those with a GPU.
+
+    The CLI passes any `--flavor` name on (its choices are soft), and the Hub refuses an unknown one
+    only after the Space exists; so names are checked against this list before anything is made.
+    """
+
+    names: tuple[str, ...]
+    gpu: frozenset[str]
+
+    @classmethod
+    def from_cli(cls, rows: Any) -> Hardware:
+        """From `hf spaces hardware --format json`: rows with `name` and `accelerator` (or null)."""
+        if not isinstance(rows, list) or not all(
+            isinstance(r, Mapping) and isinstance(r.get("name"), str) for r in rows
+        ):
+            raise LaunchError(
+                "`hf spaces hardware --format json` did not list hardware by name; "
+                "upgrade the CLI (pip install -U 'huggingface_hub>=2.4')"
+            )
+        names = tuple(r["name"] for r in rows)
+        return cls(names, frozenset(r["name"] for r in rows if r.get("accelerator")))
+
+    def check(self, option: str, name: str) -> None:
+        """One-line error naming the valid hardware when `name` is not one of them."""
+        if name in self.names:
+            return
+        close = difflib.get_close_matches(name, self.names, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise LaunchError(
+            f"{option} {name!r} is not Spaces hardware{hint}; valid: {', '.join(self.names)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -34,6 +92,9 @@ class SpaceSpec:
     variables: tuple[tuple[str, str], ...]
     secrets: tuple[str, ...]
     template_id: str | None = None
+    sleep_time: int | None = None  # idle seconds before the Hub puts it to sleep; -1: never
+    # secrets whose values go to the CLI on stdin (`--secrets-file -`), not from its environment
+    piped: tuple[str, ...] = ()
 
     @property
     def sdk(self) -> str:
@@ -41,14 +102,25 @@ class SpaceSpec:
 
     def create_args(self) -> list[str]:
         """Options shared by `hf repos create` and `hf repos duplicate`."""
-        args = ["--type", "space", "--flavor", self.flavor]
+        args = ["--type", "space", "--flavor", self.flavor, *self.sleep_args()]
         if self.private:
             args.append("--private")
-        for key in self.secrets:
-            args += ["-s", key]
+        args += self.secret_args()
         for key, value in self.variables:
             args += ["-e", f"{key}={value}"]
         return args
+
+    def secret_args(self) -> list[str]:
+        """`-s KEY` (the CLI reads the value from its environment), then the piped ones."""
+        args = [x for key in self.secrets for x in ("-s", key)]
+        return args + (["--secrets-file", "-"] if self.piped else [])
+
+    def sleep_args(self) -> list[str]:
+        return [] if self.sleep_time is None else ["--sleep-time", str(self.sleep_time)]
+
+    def hardware_args(self) -> list[str]:
+        """`hf spaces settings` options that re-apply the hardware (and sleep time)."""
+        return ["--hardware", self.flavor, *self.sleep_args()]
 
 
 @dataclass(frozen=True)
@@ -76,9 +148,13 @@ def space_roles(replicas: int, env: str) -> list[tuple[str, str]]:
     return [*roles, ("dashboard", "dashboard")]
 
 
-def make_plan(cfg: SpacesConfig, namespace: str) -> Plan:
+def make_plan(cfg: SpacesConfig, namespace: str, gpu: frozenset[str] = frozenset()) -> Plan:
+    """Every name and setting; replicas on hardware in `gpu` get `cfg.sleep_time_s`."""
     bucket_id = f"{namespace}/{cfg.bucket or cfg.name + '-weights'}"
     bucket_url = f"hf://buckets/{bucket_id}"
+    # The replicas and the dashboard only read the bucket: with a read token (DELTASYNC_READ_TOKEN)
+    # their HF_TOKEN is piped in; without one the CLI gives them the token you are logged in with.
+    token, piped = ((), (TOKEN_SECRET,)) if cfg.read_token else ((TOKEN_SECRET,), ())
     specs = []
     for role, kind in space_roles(cfg.replicas, cfg.env):
         # Replica i of a template owner is duplicated from their vllm-0.
@@ -96,8 +172,11 @@ def make_plan(cfg: SpacesConfig, namespace: str) -> Plan:
                 # header, which carries DELTASYNC_API_KEY here (every route but /health needs it).
                 False,
                 variables,
-                (TOKEN_SECRET, API_KEY_SECRET),
+                (*token, API_KEY_SECRET),
                 template,
+                # a GPU bills by the minute: let it sleep once no trainer has used it for a while
+                cfg.sleep_time_s if cfg.vllm_flavor in gpu else None,
+                piped,
             )
         elif kind == "wordle":
             repo_id = f"{namespace}/{cfg.name}-{role}"
@@ -116,8 +195,9 @@ def make_plan(cfg: SpacesConfig, namespace: str) -> Plan:
                 cfg.dashboard_flavor,
                 cfg.private,
                 (("DELTASYNC_BUCKET", bucket_url), ("DELTASYNC_REPLICAS", ",".join(hosts))),
-                (TOKEN_SECRET,),
+                token,
                 template,
+                piped=piped,
             )
         specs.append(spec)
     return Plan(namespace, bucket_id, tuple(specs))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .commands import shown, trainer_command
+from .commands import class_path_env, shown, trainer_command
 from .config import SpacesConfig, env_kind
 from .hf import HfCli
 from .spaces import Deployment, deploy
@@ -16,7 +16,8 @@ __all__ = ["run_spaces", "spaces_trainer_command"]
 
 def spaces_trainer_command(cfg: SpacesConfig, dep: Deployment) -> list[str]:
     kind = env_kind(cfg.env)
-    env_url = dep.hosts.get("wordle") if kind == "wordle" else cfg.env
+    env_url = dep.hosts.get("wordle") if kind == "wordle" else None
+    env_url = cfg.env if kind == "openenv" else env_url
     return trainer_command(
         model=cfg.model,
         bucket=dep.plan.bucket_url,
@@ -46,9 +47,15 @@ def run_spaces(cfg: SpacesConfig, hf: HfCli, echo: Callable[[str], None] = print
         echo(f"  $ {key_hint}{shown(cmd)}")
         return 0
     echo(f"training: {shown(cmd)}")
-    env = {"DELTASYNC_API_KEY": dep.api_key, "TRL_EXPERIMENTAL_SILENCE": "1"}
-    with Supervisor(cwd=REPO_ROOT) as sup:
-        trainer = sup.start(ProcessSpec("trainer", tuple(cmd), env=env, stop_grace_s=30))
+    env = {
+        "DELTASYNC_API_KEY": dep.api_key,
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+        **class_path_env(env_kind(cfg.env)),
+    }
+    with Supervisor(cwd=REPO_ROOT, verbose=False) as sup:  # the trainer's console lines only
+        trainer = sup.start(
+            ProcessSpec("trainer", tuple(cmd), env=env, stop_grace_s=30, console=True)
+        )
         code = sup.wait_exit(trainer)
     echo(f"trainer exited with status {code}; dashboard: {dep.hosts['dashboard']}")
     return code

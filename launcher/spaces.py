@@ -1,13 +1,16 @@
 """Provision (and tear down) the bucket and Spaces of a launch with the `hf` CLI.
 
-A launch: check the CLI and the login, create the bucket, then for each Space create it (or
-duplicate a template owner's) with its hardware, secrets and variables, upload its staged build
-context, and wait until it runs. A re-run re-applies every setting of Spaces that exist, since
-`hf repos create --exist-ok` ignores them. Names come from `plan.make_plan`.
+A launch: check the CLI and the login, check every hardware name against the Hub's list, create
+the bucket, then for each Space create it (or duplicate a template owner's) with its hardware,
+secrets and variables, upload its staged build context, and wait until it runs. A re-run
+re-applies every setting of what exists, visibility included (both ways), since
+`hf repos create --exist-ok` ignores them. A dry run needs no login: it shows the commands for
+`--namespace`, or a placeholder. Names come from `plan.make_plan`.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,12 +21,24 @@ from . import staging
 from .config import SpacesConfig
 from .errors import LaunchError, NameTaken, NotLoggedIn
 from .hf import HfCli
-from .plan import API_KEY_SECRET, MARKER_TAG, SDKS, Plan, SpaceSpec, make_plan
+from .plan import (
+    API_KEY_SECRET,
+    FLAVOR_OPTIONS,
+    MARKER_TAG,
+    PLACEHOLDER_NAMESPACE,
+    SDKS,
+    TOKEN_SECRET,
+    Hardware,
+    Plan,
+    SpaceSpec,
+    make_plan,
+)
 from .progress import wait_running
 
-__all__ = ["Deployment", "api_key_file", "deploy", "login", "teardown"]
+__all__ = ["Account", "Deployment", "api_key_file", "deploy", "login", "teardown"]
 
 _MAX_PROBED_REPLICAS = 64
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{8,}")
 
 
 @dataclass(frozen=True)
@@ -34,13 +49,35 @@ class Deployment:
     api_key_file: Path | None
 
 
-def login(hf: HfCli, namespace: str | None) -> str:
-    """Check the CLI and the login; returns the namespace to use."""
+@dataclass(frozen=True)
+class Account:
+    """Whom a launch acts for; `user` is None in a dry run without a login (nothing is probed)."""
+
+    namespace: str
+    user: str | None
+
+
+def login(hf: HfCli, namespace: str | None, echo: Callable[[str], None] = print) -> Account:
+    """Check the CLI and the login; a dry run goes on without one."""
     hf.check_version()
-    who = hf.query("auth", "whoami")
+    try:
+        who = hf.query("auth", "whoami")
+    except NotLoggedIn:
+        if not hf.dry_run:
+            raise
+        who = None
     user = who.get("user") if isinstance(who, dict) else None
     if not user:
-        raise NotLoggedIn("not logged in to the Hugging Face Hub: run `hf auth login` and re-run")
+        if not hf.dry_run:
+            raise NotLoggedIn(
+                "not logged in to the Hugging Face Hub: run `hf auth login` and re-run"
+            )
+        shown = namespace or PLACEHOLDER_NAMESPACE
+        echo(
+            f"not logged in: showing the commands of a first launch under {shown} (no Space or "
+            "bucket is looked up); run `hf auth login` before a real launch"
+        )
+        return Account(shown, None)
     orgs = [o for o in str(who.get("orgs") or "").split(",") if o]
     if namespace and namespace not in (user, *orgs):
         member = f"orgs: {', '.join(orgs)}" if orgs else "no orgs"
@@ -48,7 +85,7 @@ def login(hf: HfCli, namespace: str | None) -> str:
             f"--namespace {namespace}: you are logged in as {user} ({member}); "
             "pass your user or one of your orgs"
         )
-    return namespace or user
+    return Account(namespace or user, user)
 
 
 def api_key_file(cfg: SpacesConfig, namespace: str) -> Path:
@@ -57,25 +94,32 @@ def api_key_file(cfg: SpacesConfig, namespace: str) -> Path:
 
 def deploy(cfg: SpacesConfig, hf: HfCli, echo: Callable[[str], None] = print) -> Deployment:
     """Create or update everything, wait until every Space runs; returns their URLs."""
-    namespace = login(hf, cfg.namespace)
-    plan = make_plan(cfg, namespace)
-    key, key_file = _api_key(cfg, namespace, dry_run=hf.dry_run)
+    account = login(hf, cfg.namespace, echo)
+    hardware = Hardware.from_cli(hf.query("spaces", "hardware"))
+    plan = make_plan(cfg, account.namespace, hardware.gpu)
+    for spec in plan.spaces:  # before anything is made
+        hardware.check(FLAVOR_OPTIONS[spec.kind], spec.flavor)
+    piped = {spec.repo_id: _piped(spec, cfg) for spec in plan.spaces}
+    key, key_file = _api_key(cfg, account.namespace, dry_run=hf.dry_run)
     hf.env[API_KEY_SECRET] = key  # `-s DELTASYNC_API_KEY` reads it from here, never from argv
     echo(f"bucket {plan.bucket_url}")
-    private = ["--private"] if cfg.private else []
-    hf.change("buckets", "create", plan.bucket_id, *private, "--exist-ok")
-    existing = {spec.repo_id: _probe(hf, spec) for spec in plan.spaces}
+    probe = account.user is not None
+    _bucket(hf, plan.bucket_id, cfg.private, probe=probe, echo=echo)
+    existing = {spec.repo_id: _probe(hf, spec) if probe else None for spec in plan.spaces}
     message = _commit_message()
     staged: set[str] = set()
     for spec in plan.spaces:
-        ours = existing[spec.repo_id] is not None
-        echo(f"{spec.role}: {'updating' if ours else 'creating'} {spec.repo_id} ({spec.flavor})")
-        if ours:
-            _reapply(hf, spec)
+        info = existing[spec.repo_id]
+        echo(f"{spec.role}: {'updating' if info else 'creating'} {spec.repo_id} ({spec.flavor})")
+        stdin = piped[spec.repo_id]
+        if info is not None:
+            _reapply(hf, spec, info, echo, stdin)
         elif cfg.from_template:
-            hf.change("repos", "duplicate", spec.template_id, spec.repo_id, *spec.create_args())
+            args = (spec.template_id, spec.repo_id, *spec.create_args())
+            hf.change("repos", "duplicate", *args, stdin=stdin)
         else:
-            hf.change("repos", "create", spec.repo_id, "--sdk", spec.sdk, *spec.create_args())
+            args = (spec.repo_id, "--sdk", spec.sdk, *spec.create_args())
+            hf.change("repos", "create", *args, stdin=stdin)
         if not cfg.from_template:
             context = cfg.workdir.resolve() / "stage" / spec.kind
             if spec.kind not in staged:  # the replicas share one context
@@ -100,14 +144,19 @@ def teardown(
     keep_bucket: bool = False,
 ) -> bool:
     """Delete the Spaces launch.py made under these names, and the bucket; False if declined."""
-    namespace = login(hf, cfg.namespace)
+    account = login(hf, cfg.namespace, echo)
+    namespace = account.namespace
     plan = make_plan(cfg, namespace)
     found: list[str] = []
-    for repo_id, info in _existing(hf, cfg, namespace):
-        if _is_ours(info):
-            found.append(repo_id)
-        else:
-            echo(f"skipping {repo_id}: it has no '{MARKER_TAG}' tag, launch.py did not make it")
+    if account.user is None:
+        found = [_space_id(cfg, namespace, r) for r in _roles(cfg.replicas)]
+        echo(f"(not logged in: a real teardown deletes only those that exist, tagged {MARKER_TAG})")
+    else:
+        for repo_id, info in _existing(hf, cfg, namespace):
+            if _is_ours(info):
+                found.append(repo_id)
+            else:
+                echo(f"skipping {repo_id}: it has no '{MARKER_TAG}' tag, launch.py did not make it")
     what = [f"Space {r}" for r in found] + ([] if keep_bucket else [f"bucket {plan.bucket_id}"])
     if not what:
         echo("nothing to delete")
@@ -135,20 +184,40 @@ def _stage(hf: HfCli, kind: str, context: Path, echo: Callable[[str], None]) -> 
         staging.stage(kind, context)
 
 
+def _space_id(cfg: SpacesConfig, namespace: str, role: str) -> str:
+    return f"{namespace}/{cfg.name}-{role}"
+
+
+def _roles(replicas: int) -> list[str]:
+    return [*(f"vllm-{i}" for i in range(replicas)), "wordle", "dashboard"]
+
+
 def _existing(hf: HfCli, cfg: SpacesConfig, namespace: str) -> list[tuple[str, dict]]:
     """Every Space a launch under this name may have made and that exists: replicas until one
     is missing (at least --replicas of them probed), the Wordle env, the dashboard."""
     found = []
     for i in range(_MAX_PROBED_REPLICAS):
-        repo_id = f"{namespace}/{cfg.name}-vllm-{i}"
+        repo_id = _space_id(cfg, namespace, f"vllm-{i}")
         info = hf.query_optional("spaces", "info", repo_id)
         if info is None and i >= cfg.replicas:
             break
         found.append((repo_id, info))
     for role in ("wordle", "dashboard"):
-        repo_id = f"{namespace}/{cfg.name}-{role}"
+        repo_id = _space_id(cfg, namespace, role)
         found.append((repo_id, hf.query_optional("spaces", "info", repo_id)))
     return [(repo_id, info) for repo_id, info in found if info is not None]
+
+
+def _bucket(
+    hf: HfCli, bucket_id: str, private: bool, *, probe: bool, echo: Callable[[str], None]
+) -> None:
+    """Create the bucket, or give the existing one the visibility asked for (either way)."""
+    info = hf.query_optional("buckets", "info", bucket_id) if probe else None
+    if info is None:
+        hf.change("buckets", "create", bucket_id, *(["--private"] if private else []), "--exist-ok")
+    elif bool(info.get("private")) != private:
+        echo(f"  bucket {bucket_id}: {_visibility(info.get('private'))} -> {_visibility(private)}")
+        hf.change("buckets", "settings", bucket_id, "--private" if private else "--public")
 
 
 def _probe(hf: HfCli, spec: SpaceSpec) -> dict[str, Any] | None:
@@ -169,16 +238,40 @@ def _is_ours(info: dict[str, Any]) -> bool:
     return info.get("sdk") in (None, *SDKS.values()) and MARKER_TAG in tags
 
 
-def _reapply(hf: HfCli, spec: SpaceSpec) -> None:
+def _reapply(
+    hf: HfCli,
+    spec: SpaceSpec,
+    info: dict[str, Any],
+    echo: Callable[[str], None],
+    stdin: str | None,
+) -> None:
     """Settings of an existing Space, which `repos create --exist-ok` would leave as they were."""
-    hf.change("spaces", "settings", spec.repo_id, "--hardware", spec.flavor)
-    if spec.private:
-        hf.change("repos", "settings", spec.repo_id, "--type", "space", "--private")
-    if spec.secrets:
-        hf.change("spaces", "secrets", "add", spec.repo_id, *_pairs("-s", spec.secrets))
+    hf.change("spaces", "settings", spec.repo_id, *spec.hardware_args())
+    if bool(info.get("private")) != spec.private:
+        echo(f"  visibility: {_visibility(info.get('private'))} -> {_visibility(spec.private)}")
+        flag = "--private" if spec.private else "--public"
+        hf.change("repos", "settings", spec.repo_id, "--type", "space", flag)
+    if spec.secrets or spec.piped:
+        hf.change("spaces", "secrets", "add", spec.repo_id, *spec.secret_args(), stdin=stdin)
     if spec.variables:
         pairs = [f"{k}={v}" for k, v in spec.variables]
         hf.change("spaces", "variables", "add", spec.repo_id, *_pairs("-e", pairs))
+
+
+def _piped(spec: SpaceSpec, cfg: SpacesConfig) -> str | None:
+    """The `--secrets-file -` input of a Space (dotenv lines), or None when it pipes nothing."""
+    values = {TOKEN_SECRET: cfg.read_token}
+    for key in spec.piped:
+        if not _TOKEN.fullmatch(values[key] or ""):
+            raise LaunchError(
+                "DELTASYNC_READ_TOKEN is not a Hugging Face token (hf_..., letters and digits); "
+                "unset it to give the Spaces the token you are logged in with"
+            )
+    return "".join(f"{key}={values[key]}\n" for key in spec.piped) or None
+
+
+def _visibility(private: object) -> str:
+    return "private" if private else "public"
 
 
 def _pairs(flag: str, values: Any) -> list[str]:

@@ -21,7 +21,8 @@ __all__ = ["CONTEXTS", "REPO_ROOT", "describe", "revision", "stage"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_INFO = "BUILD_INFO.json"
-_SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache")
+# uv.lock is wordle_env's lock for OpenEnv's tooling; the Space image installs with pip.
+_SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache", "uv.lock")
 
 # kind -> (repository path, path in the context); a folder's files are copied as they are.
 # The layouts are the ones each Space's README describes ("Build context").

@@ -1,4 +1,9 @@
-"""Local processes under one supervisor: a prefixed log stream, health checks, clean shutdown.
+"""Local processes under one supervisor: log files, a quiet console, health checks, shutdown.
+
+Each process's output goes to its own log file in `log_dir`. The console shows the launcher's
+lines and the output of processes marked `console` (the trainer, which writes its own log file
+and whose terminal is one line per version); `verbose` streams every process too, each line
+prefixed with its name.
 
 Each child runs in its own session (process group), so Ctrl-C reaches only the launcher, which
 then stops every group: SIGTERM, a grace period, SIGKILL. Descendants that moved to a session of
@@ -29,12 +34,16 @@ __all__ = ["ProcessSpec", "Supervisor"]
 
 _TAIL_LINES = 40
 _POLL_S = 0.5
+_PROBE_S = 2.0  # between two health probes of one process
+_PROBE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
 class ProcessSpec:
     """One process. It is ready when `ready_line` appears in its output, or `ready_url`
-    answers 200, or at once when neither is set."""
+    answers 200, or at once when neither is set. Once ready, a process with a `health_url`
+    that answers no 200 for `unhealthy_after_s` has failed though it still runs (e.g. a vLLM
+    API server whose engine process died: `/health` answers 503)."""
 
     name: str
     argv: tuple[str, ...]
@@ -42,6 +51,9 @@ class ProcessSpec:
     ready_line: str | None = None
     ready_url: str | None = None
     stop_grace_s: float = 15.0
+    console: bool = False  # its output is shown even when the supervisor is not verbose
+    health_url: str | None = None
+    unhealthy_after_s: float = 15.0
 
 
 class _Child:
@@ -53,6 +65,8 @@ class _Child:
         self.ready = threading.Event()
         self.reader: threading.Thread | None = None
         self.awaited = False  # its exit was waited for: it is done, not failed
+        self.next_probe = 0.0  # monotonic time of its next health probe
+        self.unhealthy_since: float | None = None
 
     def last_lines(self, n: int = 15) -> str:
         return "\n".join(f"    {line}" for line in list(self.tail)[-n:])
@@ -66,9 +80,15 @@ class Supervisor:
     """
 
     def __init__(
-        self, out: TextIO | None = None, log_dir: Path | None = None, cwd: Path | None = None
+        self,
+        out: TextIO | None = None,
+        log_dir: Path | None = None,
+        cwd: Path | None = None,
+        *,
+        verbose: bool = True,
     ):
         self.out = out or sys.stdout
+        self.verbose = verbose
         self.log_dir = log_dir
         self.cwd = cwd
         self.children: list[_Child] = []
@@ -97,7 +117,7 @@ class Supervisor:
     def start(self, spec: ProcessSpec) -> _Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         log = None
-        if self.log_dir is not None:
+        if self.log_dir is not None and not spec.console:  # a console process writes its own
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log = (self.log_dir / f"{spec.name}.log").open("w", encoding="utf-8")
         proc = subprocess.Popen(
@@ -126,7 +146,7 @@ class Supervisor:
             self._track()
             for child in pending:
                 self._check_alive(child, "during start-up")
-                if child.spec.ready_url and _answers(child.spec.ready_url):
+                if child.spec.ready_url and _health_failure(child.spec.ready_url, 2) is None:
                     child.ready.set()
             pending = [c for c in pending if not c.ready.is_set()]
             if pending and time.monotonic() > deadline:
@@ -148,6 +168,7 @@ class Supervisor:
             for other in self.children:
                 if other is not child and not other.awaited:
                     self._check_alive(other, f"while {child.spec.name} was running")
+                    self._check_health(other, f"while {child.spec.name} was running")
             if deadline is not None and time.monotonic() > deadline:
                 raise ProcessFailed(
                     f"{child.spec.name} still running after {timeout_s:.0f}s", name=child.spec.name
@@ -203,6 +224,27 @@ class Supervisor:
                 returncode=code,
             )
 
+    def _check_health(self, child: _Child, when: str) -> None:
+        """Probe a ready child's `health_url` every `_PROBE_S`; fail once it has answered no
+        200 for `unhealthy_after_s` (the process may still run: it is stopped with the rest)."""
+        url, now = child.spec.health_url, time.monotonic()
+        if url is None or not child.ready.is_set() or now < child.next_probe:
+            return
+        child.next_probe = now + _PROBE_S
+        failure = _health_failure(url)
+        if failure is None:
+            child.unhealthy_since = None
+            return
+        if child.unhealthy_since is None:
+            child.unhealthy_since = now
+        since = child.unhealthy_since
+        if now - since >= child.spec.unhealthy_after_s:
+            raise ProcessFailed(
+                f"{child.spec.name} is unhealthy: {url} {failure} for {now - since:.0f} s "
+                f"{when}; its last lines:\n{child.last_lines()}",
+                name=child.spec.name,
+            )
+
     def _read(self, child: _Child) -> None:
         assert child.proc.stdout is not None
         for raw in iter(child.proc.stdout.readline, b""):
@@ -211,14 +253,15 @@ class Supervisor:
             if child.log is not None:
                 child.log.write(line + "\n")
                 child.log.flush()
-            self._emit(child.spec.name, line)
+            if self.verbose or child.spec.console:
+                self._emit(child.spec.name, line)
             if child.spec.ready_line and child.spec.ready_line in line:
                 child.ready.set()
         child.proc.stdout.close()
 
     def _emit(self, name: str, line: str) -> None:
         with self._lock:
-            self.out.write(f"{name:>{self._width}} | {line}\n")
+            self.out.write(f"{name:>{self._width}} | {line}\n" if self.verbose else f"{line}\n")
             self.out.flush()
 
     def _track(self) -> None:
@@ -264,12 +307,18 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def _answers(url: str) -> bool:
+def _health_failure(url: str, timeout_s: float = _PROBE_TIMEOUT_S) -> str | None:
+    """How a probe of `url` failed (one line), None if it answered 200."""
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return None if resp.status == 200 else f"answered {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"answered {exc.code}"
+    except TimeoutError:
+        return f"did not answer in {timeout_s:g} s"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return f"could not be reached ({reason})"
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:

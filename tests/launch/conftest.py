@@ -49,6 +49,7 @@ class FakeHub:
         monkeypatch.setenv("FAKE_HF_STATE", str(self.state_path))
         monkeypatch.setenv("FAKE_HF_LOG", str(self.log_path))
         monkeypatch.delenv("DELTASYNC_API_KEY", raising=False)
+        monkeypatch.delenv("DELTASYNC_READ_TOKEN", raising=False)
 
     @property
     def state(self) -> dict:

@@ -29,7 +29,32 @@ VALUE_OPTIONS = {
     "-n",
     "--tail",
     "--timeout",
+    "--sleep-time",
+    "--secrets-file",
 }
+# `hf spaces hardware --format json` rows (the CLI's own columns), a subset of the Hub's list.
+HARDWARE = [
+    ("cpu-basic", "CPU basic", "2 vCPU", "16 GB", None, "free", "free"),
+    ("cpu-upgrade", "CPU upgrade", "8 vCPU", "32 GB", None, "$0.0005", "$0.03"),
+    ("t4-small", "Nvidia T4 - small", "4 vCPU", "15 GB", "1x T4 (16 GB)", "$0.0067", "$0.40"),
+    ("l4x1", "1x Nvidia L4", "8 vCPU", "30 GB", "1x L4 (24 GB)", "$0.0133", "$0.80"),
+    ("a10g-small", "Nvidia A10G - small", "4 vCPU", "15 GB", "1x A10G (24 GB)", "$0.0167", "$1.00"),
+    (
+        "a100-large",
+        "Nvidia A100 - large",
+        "12 vCPU",
+        "142 GB",
+        "1x A100 (80 GB)",
+        "$0.0417",
+        "$2.50",
+    ),
+]
+
+
+class Lines(list):
+    """A text answer (`hf spaces logs`): printed one line each, not as JSON."""
+
+
 HTTP_402 = (
     "Error: Client error '402 Payment Required' for url 'https://huggingface.co/api/{what}' "
     "(Request ID: Root=1-6789abcd-0123456789abcdef)\n"
@@ -91,7 +116,7 @@ def main() -> int:
         state_path.write_text(json.dumps(state, indent=1))
         return exc.code
     state_path.write_text(json.dumps(state, indent=1))
-    if isinstance(result, list):
+    if isinstance(result, Lines):
         print("\n".join(result))
     elif result is not None:
         print(json.dumps(result))
@@ -131,6 +156,23 @@ def dispatch(state: dict, argv: list[str]):
             "uri": f"hf://buckets/{bucket_id}",
             "url": f"https://huggingface.co/buckets/{bucket_id}",
         }
+    if cmd == ("buckets", "info"):
+        if pos[2] not in buckets:
+            raise Fail(f"Error: Bucket '{pos[2]}' not found.\n")
+        return {
+            "id": pos[2],
+            "private": buckets[pos[2]]["private"],
+            "created_at": "2026-01-02 03:04:05+00:00",
+            "size": 0,
+            "total_files": 0,
+        }
+    if cmd == ("buckets", "settings"):
+        if pos[2] not in buckets:
+            raise Fail(f"Error: Bucket '{pos[2]}' not found.\n")
+        if ("--private" in flags) == ("--public" in flags):
+            raise Fail("Error: Invalid value: Specify exactly one of --private or --public.\n", 2)
+        buckets[pos[2]]["private"] = "--private" in flags
+        return {"bucket_id": pos[2], "private": buckets[pos[2]]["private"]}
     if cmd == ("buckets", "delete"):
         if pos[2] not in buckets and "--missing-ok" not in flags:
             raise Fail(f"Error: Bucket '{pos[2]}' not found.\n")
@@ -174,8 +216,8 @@ def dispatch(state: dict, argv: list[str]):
         return {"repo_id": pos[2]}
     if cmd == ("repos", "settings"):
         space = existing(spaces, pos[2])
-        if "--private" in flags:
-            space["private"] = True
+        if "--private" in flags or "--public" in flags:
+            space["private"] = "--private" in flags
         return {"repo_id": pos[2]}
     if pos[:1] == ["upload"]:
         repo_id, folder = pos[1], Path(pos[2])
@@ -188,16 +230,22 @@ def dispatch(state: dict, argv: list[str]):
         if repo_id not in spaces:
             raise Fail(f"Error: Space '{repo_id}' not found.\n")
         return info(spaces[repo_id], repo_id)
+    if cmd == ("spaces", "hardware"):
+        rows = state.get("hardware", HARDWARE)
+        keys = ("name", "pretty name", "cpu", "ram", "accelerator", "cost/min", "cost/hour")
+        return [dict(zip(keys, row, strict=True)) for row in rows]
     if cmd == ("spaces", "settings"):
         space = existing(spaces, pos[2])
         check_payment(state, opt(options, "--hardware"), f"spaces/{pos[2]}/hardware")
-        space["hardware"] = opt(options, "--hardware")
+        space["hardware"] = opt(options, "--hardware") or space["hardware"]
+        if opt(options, "--sleep-time"):
+            space["sleep_time"] = int(opt(options, "--sleep-time"))
         return {"space_id": pos[2], "hardware": space["hardware"], "sleep_time": None}
     if cmd == ("spaces", "secrets") and pos[2] == "add":
         space = existing(spaces, pos[3])
-        keys = options.get("-s", [])
-        space["secrets"].update(secret_values(keys))
-        return {"space_id": pos[3], "keys": keys}
+        values = all_secrets(options)
+        space["secrets"].update(values)
+        return {"space_id": pos[3], "keys": list(values)}
     if cmd == ("spaces", "variables") and pos[2] == "add":
         space = existing(spaces, pos[3])
         space["variables"].update(dict(v.split("=", 1) for v in options.get("-e", [])))
@@ -205,7 +253,7 @@ def dispatch(state: dict, argv: list[str]):
     if cmd == ("spaces", "logs"):
         space = existing(spaces, pos[2])
         lines = space.get("build_logs" if "--build" in flags else "logs", [])
-        return lines[-int(opt(options, "-n") or len(lines) or 1) :]
+        return Lines(lines[-int(opt(options, "-n") or len(lines) or 1) :])
     if cmd == ("spaces", "restart"):
         existing(spaces, pos[2])["stage"] = "RUNNING"
         return {"space_id": pos[2], "stage": "RUNNING", "factory_reboot": False}
@@ -243,8 +291,24 @@ def new_space(options: dict, flags: set, *, sdk: str | None) -> dict:
 
 def apply_settings(space: dict, options: dict) -> None:
     space["hardware"] = opt(options, "--flavor") or space["hardware"]
-    space["secrets"].update(secret_values(options.get("-s", [])))
+    if opt(options, "--sleep-time"):
+        space["sleep_time"] = int(opt(options, "--sleep-time"))
+    space["secrets"].update(all_secrets(options))
     space["variables"].update(dict(v.split("=", 1) for v in options.get("-e", [])))
+
+
+def all_secrets(options: dict) -> dict[str, str]:
+    """`--secrets-file -` (KEY=VALUE lines on stdin), then `-s KEY`, like the real CLI."""
+    values: dict[str, str] = {}
+    for source in options.get("--secrets-file", []):
+        if source != "-":
+            raise Fail("Error: the fake hf reads --secrets-file only from stdin (-)\n", 2)
+        for line in sys.stdin.read().splitlines():
+            key, sep, value = line.partition("=")
+            if not sep or not key or not value:
+                raise Fail(f"Error: bad secrets line {key!r} on stdin\n")
+            values[key] = value
+    return {**values, **secret_values(options.get("-s", []))}
 
 
 def secret_values(keys: list[str]) -> dict[str, str]:

@@ -4,9 +4,17 @@ changes nothing (no Hub state, no staged files, no key file)."""
 from __future__ import annotations
 
 import pytest
+from hf_grammar import parse_hf
 
 MODEL = "Qwen/Qwen3-1.7B"
-READ_ONLY = (("version",), ("auth", "whoami"), ("spaces", "info"))
+J = ["--format", "json"]
+READ_ONLY = (
+    ("version",),
+    ("auth", "whoami"),
+    ("spaces", "hardware"),
+    ("spaces", "info"),
+    ("buckets", "info"),
+)
 
 
 def _read_only(calls: list[list[str]]) -> list[list[str]]:
@@ -75,6 +83,51 @@ def test_dry_run_prints_the_trainer_command(hub):
         result.out
     )
     assert "--run-id r7" in result.out
+
+
+@pytest.mark.parametrize("namespace", [None, "team"])
+def test_dry_run_needs_no_login(hub, namespace):
+    """Not logged in: the commands of a first launch under --namespace (or a placeholder), each
+    one the real CLI accepts; only the version, login and hardware list are read."""
+    hub.update(user=None)
+    ns = ["--namespace", namespace] if namespace else []
+    result = hub.launch("--model", MODEL, "--dry-run", *ns)
+    assert result.code == 0, result.err
+    shown = namespace or "your-namespace"
+    assert f"not logged in: showing the commands of a first launch under {shown}" in result.out
+    assert [c[:2] for c in hub.calls()] == [
+        ["version", "--format"],
+        ["auth", "whoami"],
+        ["spaces", "hardware"],
+    ]
+    printed = result.commands()
+    creates = [c[2] for c in printed if c[:2] == ["repos", "create"]]
+    assert creates == [f"{shown}/deltasync-{r}" for r in ("vllm-0", "wordle", "dashboard")]
+    assert ["buckets", "create", f"{shown}/deltasync-weights", "--exist-ok", *J] in printed
+    for argv in printed:
+        parse_hf(argv)
+    assert f"--bucket hf://buckets/{shown}/deltasync-weights" in result.out
+    assert hub.state["spaces"] == {} and hub.state["buckets"] == {}
+    assert not hub.workdir.exists()  # no staged context, no key file
+
+
+def test_teardown_dry_run_needs_no_login(hub):
+    hub.update(user=None)
+    result = hub.launch("--teardown", "--dry-run", "--namespace", "team", "--replicas", "2")
+    assert result.code == 0, result.err
+    deleted = [c[2] for c in result.commands() if c[1:2] == ["delete"]]
+    assert deleted == [
+        *(f"team/deltasync-{r}" for r in ("vllm-0", "vllm-1", "wordle", "dashboard")),
+        "team/deltasync-weights",
+    ]
+    assert [c[:2] for c in hub.calls()] == [["version", "--format"], ["auth", "whoami"]]
+
+
+def test_a_real_launch_still_needs_a_login(hub):
+    hub.update(user=None)
+    result = hub.launch("--model", MODEL, "--no-train", "--namespace", "team")
+    assert result.code == 1 and "not logged in" in result.err
+    assert hub.state["spaces"] == {} and hub.state["buckets"] == {}
 
 
 @pytest.mark.parametrize("env", ["sanity", "wordle"])

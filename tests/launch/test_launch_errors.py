@@ -146,8 +146,52 @@ def test_build_failure_shows_the_last_log_lines(hub):
     ] in hub.calls()
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "hint"),
+    [
+        ("--vllm-flavor", "a10g-smal", " (did you mean a10g-small?)"),
+        ("--dashboard-flavor", "tpu-v9", ""),
+        ("--env-flavor", "cpu-basik", " (did you mean cpu-basic?)"),
+    ],
+)
+def test_unknown_hardware_is_refused_before_anything_is_made(hub, option, value, hint):
+    """The CLI passes any --flavor on; the names are checked against `hf spaces hardware`."""
+    result = hub.launch("--model", MODEL, "--no-train", option, value)
+    assert result.code == 1
+    line = _one_error_line(result)
+    assert (
+        f"{option} {value!r} is not Spaces hardware{hint}; valid: cpu-basic, cpu-upgrade," in line
+    )
+    assert line.endswith("a10g-small, a100-large")
+    assert [c[:2] for c in hub.calls()] == [
+        ["version", "--format"],
+        ["auth", "whoami"],
+        ["spaces", "hardware"],
+    ]
+    assert hub.state["spaces"] == {} and hub.state["buckets"] == {}
+    assert not hub.workdir.exists()
+
+
+def test_hardware_the_hub_lists_later_is_accepted(hub):
+    """The list is the Hub's, not a copy: a flavor the Hub adds works without a launch.py change."""
+    from hf_fake import HARDWARE
+
+    hub.update(
+        hardware=[
+            *HARDWARE,
+            ("h100x1", "Nvidia H100", "24 vCPU", "240 GB", "1x H100 (80 GB)", "$0.1", "$6"),
+        ]
+    )
+    result = hub.launch("--model", MODEL, "--no-train", "--vllm-flavor", "h100x1")
+    assert result.code == 0, result.err
+    replica = hub.state["spaces"]["alice/deltasync-vllm-0"]
+    assert replica["hardware"] == "h100x1" and replica["sleep_time"] == 3600
+
+
 def test_bad_arguments_are_usage_errors(hub):
     assert hub.launch("--env", "chess").code == 2
+    assert hub.launch("--model", MODEL, "--sleep-time", "0").code == 2
+    assert hub.launch("--model", MODEL, "--sleep-time", "soon").code == 2
     assert hub.launch("--model", MODEL, "--name", "bad name").code == 2
     assert hub.launch("--model", "tiny").code == 2  # the tiny model is local only
     assert hub.launch().code == 2  # Spaces need --model

@@ -112,3 +112,79 @@ def test_version_shape(hub):
         env={"HF_HUB_DISABLE_UPDATE_CHECK": "1", "PATH": "/usr/bin:/bin"},
     )
     assert set(json.loads(real.stdout)) == set(_fake(hub, ["version", "--format", "json"]))
+
+
+def test_spaces_hardware_shape(hub, monkeypatch):
+    """`hf spaces hardware` lists names, and an accelerator (or none) the launcher reads."""
+    from huggingface_hub._jobs_api import JobHardwareInfo
+
+    from launcher.plan import Hardware
+
+    def row(name: str, accelerator: dict | None) -> JobHardwareInfo:
+        return JobHardwareInfo(
+            name=name, prettyName=name.upper(), cpu="4 vCPU", ram="15 GB",
+            accelerator=accelerator, unitCostMicroUSD=16667, unitCostUSD=0.016667,
+            unitLabel="minute",
+        )  # fmt: skip
+
+    a10g = {"type": "gpu", "model": "A10G", "quantity": "1", "vram": "24 GB", "manufacturer": "N"}
+
+    class Api:
+        def list_spaces_hardware(self):
+            return [row("cpu-basic", None), row("a10g-small", a10g)]
+
+    real = _real(monkeypatch, "spaces", ["spaces", "hardware", "--format", "json"], Api())
+    fake = _fake(hub, ["spaces", "hardware", "--format", "json"])
+    assert set(real[0]) == set(fake[0])
+    assert Hardware.from_cli(real) == Hardware(
+        ("cpu-basic", "a10g-small"), frozenset({"a10g-small"})
+    )
+    parsed = Hardware.from_cli(fake)
+    assert "a10g-small" in parsed.gpu and "cpu-basic" in parsed.names
+    assert "cpu-basic" not in parsed.gpu
+
+
+def test_buckets_info_shape(hub, monkeypatch):
+    from huggingface_hub._buckets import BucketInfo
+
+    class Api:
+        def bucket_info(self, bucket_id):
+            return BucketInfo(
+                id=bucket_id, private=True, createdAt="2026-01-02T03:04:05.000Z", size=0,
+                totalFiles=0,
+            )  # fmt: skip
+
+    argv = ["buckets", "info", "alice/b", "--format", "json"]
+    real = _real(monkeypatch, "buckets", argv, Api())
+    hub.update(buckets={"alice/b": {"private": True}})
+    fake = _fake(hub, argv)
+    assert set(fake) <= set(real)
+    assert real["private"] is fake["private"] is True
+
+
+def test_piped_secrets_reach_the_hub_with_the_environment_ones(hub, monkeypatch):
+    """What launch.py pipes (`--secrets-file -`) and names (`-s KEY`) both arrive, in the real
+    CLI as in the fake, and the answer names the keys."""
+    added: dict[str, str] = {}
+
+    class Api:
+        def add_space_secret(self, repo_id, key, value):
+            added[key] = value
+
+    monkeypatch.setenv("DELTASYNC_API_KEY", "from-env")
+    monkeypatch.setattr("huggingface_hub.cli.spaces.get_hf_api", lambda token=None: Api())
+    argv = ["spaces", "secrets", "add", "alice/x", "-s", "DELTASYNC_API_KEY", "--secrets-file", "-"]
+    result = CliRunner().invoke(
+        app, [*argv, "--format", "json"], input="HF_TOKEN=hf_read123\n", catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    assert added == {"DELTASYNC_API_KEY": "from-env", "HF_TOKEN": "hf_read123"}
+    real = json.loads(result.stdout)
+
+    hub.update(spaces={"alice/x": {"secrets": {}}})
+    proc = subprocess.run(
+        ["hf", *argv, "--format", "json"], input="HF_TOKEN=hf_read123\n", capture_output=True,
+        text=True, check=True,
+    )  # fmt: skip
+    assert hub.state["spaces"]["alice/x"]["secrets"] == added
+    assert json.loads(proc.stdout) == real

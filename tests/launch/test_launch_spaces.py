@@ -9,7 +9,8 @@ import stat
 import sys
 
 MODEL = "Qwen/Qwen3-1.7B"
-BUCKET = "hf://buckets/alice/deltasync-weights"
+BUCKET_ID = "alice/deltasync-weights"
+BUCKET = f"hf://buckets/{BUCKET_ID}"
 J = ["--format", "json"]
 
 
@@ -23,6 +24,15 @@ def head() -> list[list[str]]:
     return [["version", *J], ["auth", "whoami", *J]]
 
 
+def deploy_head(bucket: str = "new") -> list[list[str]]:
+    """The calls before any Space: login, the hardware list, then the bucket (`new`: created,
+    `same`: exists with the visibility asked for)."""
+    calls = [*head(), ["spaces", "hardware", *J], ["buckets", "info", BUCKET_ID, *J]]
+    if bucket == "new":
+        calls.append(["buckets", "create", BUCKET_ID, "--exist-ok", *J])
+    return calls
+
+
 def infos(*roles: str) -> list[list[str]]:
     return [["spaces", "info", f"alice/deltasync-{r}", *J] for r in roles]
 
@@ -34,6 +44,8 @@ def create(hub, role: str) -> list[list[str]]:
         "vllm": [
             "--flavor",
             "a10g-small",
+            "--sleep-time",
+            "3600",
             "-s",
             "HF_TOKEN",
             "-s",
@@ -85,7 +97,8 @@ def reapply(role: str) -> list[list[str]]:
     repo = f"alice/deltasync-{role}"
     kind = role.split("-")[0]
     flavor = "a10g-small" if kind == "vllm" else "cpu-basic"
-    calls = [["spaces", "settings", repo, "--hardware", flavor, *J]]
+    sleep = ["--sleep-time", "3600"] if kind == "vllm" else []  # a GPU: a10g-small
+    calls = [["spaces", "settings", repo, "--hardware", flavor, *sleep, *J]]
     if kind == "vllm":
         calls += [
             ["spaces", "secrets", "add", repo, "-s", "HF_TOKEN", "-s", "DELTASYNC_API_KEY", *J],
@@ -132,8 +145,7 @@ def test_fresh_launch_sequence(hub):
     assert message.startswith("launch.py: deploy")
     roles = ("vllm-0", "wordle", "dashboard")
     expected = [
-        *head(),
-        ["buckets", "create", "alice/deltasync-weights", "--exist-ok", *J],
+        *deploy_head(),
         *infos(*roles),
         *[call for r in roles for call in (*create(hub, r), *upload(hub, r, message))],
         *infos(*roles),  # wait: each is RUNNING at the first poll
@@ -184,8 +196,7 @@ def test_rerun_reapplies_settings_and_creates_nothing(hub):
     assert result.code == 0, result.err
     roles = ("vllm-0", "wordle", "dashboard")
     assert hub.calls() == [
-        *head(),
-        ["buckets", "create", "alice/deltasync-weights", "--exist-ok", *J],
+        *deploy_head("same"),
         *infos(*roles),
         *[call for r in roles for call in (*reapply(r), *upload(hub, r, message))],
         *infos(*roles),
@@ -223,7 +234,7 @@ def test_private_and_more_replicas(hub):
     )
     assert result.code == 0, result.err
     calls = hub.calls()
-    assert ["buckets", "create", "alice/deltasync-weights", "--private", "--exist-ok", *J] in calls
+    assert ["buckets", "create", BUCKET_ID, "--private", "--exist-ok", *J] in calls
     created = {c[2]: c for c in calls if c[:2] == ["repos", "create"]}
     assert set(created) == {
         "alice/deltasync-vllm-0",
@@ -265,6 +276,8 @@ def test_from_template_duplicates_instead_of_uploading(hub):
         "space",
         "--flavor",
         "a10g-small",
+        "--sleep-time",
+        "3600",
         "-s",
         "HF_TOKEN",
         "-s",
@@ -279,8 +292,7 @@ def test_from_template_duplicates_instead_of_uploading(hub):
     ]
     roles = ("vllm-0", "vllm-1", "wordle", "dashboard")
     assert hub.calls() == [
-        *head(),
-        ["buckets", "create", "alice/deltasync-weights", "--exist-ok", *J],
+        *deploy_head(),
         *infos(*roles),
         ["repos", "duplicate", "bob/deltasync-vllm-0", "alice/deltasync-vllm-0", *vllm_settings],
         ["repos", "duplicate", "bob/deltasync-vllm-0", "alice/deltasync-vllm-1", *vllm_settings],
@@ -320,9 +332,8 @@ def test_from_template_duplicates_instead_of_uploading(hub):
     hub.clear_calls()  # a re-run re-applies the settings, duplicates nothing
     assert hub.launch("--model", MODEL, "--no-train", "--from-template", "bob").code == 0
     assert not any(c[:2] == ["repos", "duplicate"] for c in hub.calls())
-    assert ["spaces", "settings", "alice/deltasync-vllm-0", "--hardware", "a10g-small", *J] in (
-        hub.calls()
-    )
+    settings = ["--hardware", "a10g-small", "--sleep-time", "3600", *J]
+    assert ["spaces", "settings", "alice/deltasync-vllm-0", *settings] in hub.calls()
 
 
 def test_teardown_deletes_what_launch_made(hub):
@@ -341,7 +352,7 @@ def test_teardown_deletes_what_launch_made(hub):
             ["repos", "delete", f"alice/deltasync-{r}", "--type", "space", "-y", "--missing-ok", *J]
             for r in ("vllm-0", "vllm-1", "wordle", "dashboard")
         ],
-        ["buckets", "delete", "alice/deltasync-weights", "-y", "--missing-ok", *J],
+        ["buckets", "delete", BUCKET_ID, "-y", "--missing-ok", *J],
     ]
     assert set(hub.state["spaces"]) == {"alice/unrelated"}
     assert hub.state["buckets"] == {}
@@ -361,7 +372,7 @@ def test_teardown_asks_and_declining_deletes_nothing(hub):
     hub.clear_calls()
     result = hub.launch("--teardown", "--keep-bucket", stdin="y\n")
     assert result.code == 0 and hub.state["spaces"] == {}
-    assert "alice/deltasync-weights" in hub.state["buckets"]
+    assert BUCKET_ID in hub.state["buckets"]
 
 
 def test_teardown_skips_a_space_it_did_not_make(hub):
@@ -442,3 +453,102 @@ def test_namespace_must_be_yours(hub):
     result = hub.launch("--model", MODEL, "--no-train", "--namespace", "carol")
     assert result.code == 1
     assert "--namespace carol: you are logged in as alice (orgs: team)" in result.err
+
+
+def _visibility(hub) -> dict[str, bool]:
+    state = hub.state
+    return {
+        "bucket": state["buckets"][BUCKET_ID]["private"],
+        **{repo.split("-", 1)[1]: space["private"] for repo, space in state["spaces"].items()},
+    }
+
+
+def test_reruns_apply_visibility_both_ways(hub):
+    """`--private` on a re-run makes the bucket and dashboard private; a re-run without it makes
+    them public again; a replica made private by hand is made public (its token guards it)."""
+    assert hub.launch("--model", MODEL, "--no-train").code == 0
+    public = {"bucket": False, "vllm-0": False, "wordle": False, "dashboard": False}
+    assert _visibility(hub) == public
+    hub.clear_calls()
+
+    result = hub.launch("--model", MODEL, "--no-train", "--private")
+    assert result.code == 0, result.err
+    assert _visibility(hub) == {**public, "bucket": True, "dashboard": True}
+    calls = hub.calls()
+    assert ["buckets", "settings", BUCKET_ID, "--private", *J] in calls
+    dashboard = ["repos", "settings", "alice/deltasync-dashboard", "--type", "space"]
+    assert [*dashboard, "--private", *J] in calls
+    assert [c for c in calls if c[:2] in (["repos", "settings"], ["buckets", "settings"])] == [
+        ["buckets", "settings", BUCKET_ID, "--private", *J],
+        [*dashboard, "--private", *J],
+    ]  # only what differs is changed
+    assert "visibility: public -> private" in result.out
+
+    state = hub.state
+    state["spaces"]["alice/deltasync-vllm-0"]["private"] = True  # by hand, in the settings
+    hub.state = state
+    hub.clear_calls()
+    result = hub.launch("--model", MODEL, "--no-train")
+    assert result.code == 0, result.err
+    assert _visibility(hub) == public
+    assert [
+        c for c in hub.calls() if c[:2] in (["repos", "settings"], ["buckets", "settings"])
+    ] == [
+        ["buckets", "settings", BUCKET_ID, "--public", *J],
+        ["repos", "settings", "alice/deltasync-vllm-0", "--type", "space", "--public", *J],
+        [*dashboard, "--public", *J],
+    ]
+
+
+def test_gpu_replicas_get_a_sleep_time_and_cpu_spaces_none(hub):
+    assert hub.launch("--model", MODEL, "--no-train", "--sleep-time", "900").code == 0
+    spaces = hub.state["spaces"]
+    assert spaces["alice/deltasync-vllm-0"]["sleep_time"] == 900
+    assert "sleep_time" not in spaces["alice/deltasync-wordle"]
+    assert "sleep_time" not in spaces["alice/deltasync-dashboard"]
+    hub.clear_calls()
+
+    assert hub.launch("--model", MODEL, "--no-train", "--sleep-time", "-1").code == 0
+    assert hub.state["spaces"]["alice/deltasync-vllm-0"]["sleep_time"] == -1  # re-applied
+    hub.clear_calls()
+
+    # CPU hardware (no accelerator in `hf spaces hardware`) gets no sleep time
+    result = hub.launch(
+        "--model", MODEL, "--no-train", "--vllm-flavor", "cpu-upgrade", "--name", "c"
+    )
+    assert result.code == 0, result.err
+    create = next(c for c in hub.calls() if c[:3] == ["repos", "create", "alice/c-vllm-0"])
+    assert "--flavor" in create and "--sleep-time" not in create
+    assert "sleep_time" not in hub.state["spaces"]["alice/c-vllm-0"]
+
+
+def test_read_token_goes_to_the_spaces_that_read_the_bucket(hub, monkeypatch):
+    """DELTASYNC_READ_TOKEN becomes HF_TOKEN of the replicas and the dashboard, through stdin
+    (never argv, never printed), at creation and again on a re-run."""
+    token = "hf_readonlyFineGrained0123"
+    monkeypatch.setenv("DELTASYNC_READ_TOKEN", token)
+    result = hub.launch("--model", MODEL, "--no-train")
+    assert result.code == 0, result.err
+    spaces = hub.state["spaces"]
+    assert spaces["alice/deltasync-vllm-0"]["secrets"]["HF_TOKEN"] == token
+    assert spaces["alice/deltasync-dashboard"]["secrets"]["HF_TOKEN"] == token
+    assert spaces["alice/deltasync-wordle"]["secrets"] == {}
+    assert token not in result.out + result.err
+    assert all(token not in " ".join(c) for c in hub.calls())
+    create = next(c for c in hub.calls() if c[:3] == ["repos", "create", "alice/deltasync-vllm-0"])
+    assert "--secrets-file" in create and "HF_TOKEN" not in create
+
+    state = hub.state  # the login's token put there by hand (or by a launch without the variable)
+    state["spaces"]["alice/deltasync-vllm-0"]["secrets"]["HF_TOKEN"] = "hf_stored_token"
+    hub.state = state
+    hub.clear_calls()
+    assert hub.launch("--model", MODEL, "--no-train").code == 0
+    assert hub.state["spaces"]["alice/deltasync-vllm-0"]["secrets"]["HF_TOKEN"] == token
+
+
+def test_a_bad_read_token_is_refused_before_anything_is_made(hub, monkeypatch):
+    monkeypatch.setenv("DELTASYNC_READ_TOKEN", "hf_x y\nHF_OTHER=1")
+    result = hub.launch("--model", MODEL, "--no-train")
+    assert result.code == 1
+    assert "DELTASYNC_READ_TOKEN is not a Hugging Face token" in result.err
+    assert hub.state["spaces"] == {} and hub.state["buckets"] == {}

@@ -1,5 +1,6 @@
 """The local supervisor with small Python children: one prefixed stream, readiness, failures with
-the last lines, and no process left behind, also one that left our process group."""
+the last lines (also of a process that runs on while its health check fails), and no process left
+behind, also one that left our process group."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import psutil
 import pytest
 
+from launcher import supervisor
 from launcher.errors import ProcessFailed
 from launcher.supervisor import ProcessSpec, Supervisor
 
@@ -140,3 +142,85 @@ def test_a_finished_step_is_not_a_failure():
         assert sup.wait_exit(sup.start(_spec("prepare", "print('built')")), timeout_s=30) == 0
         main = sup.start(_spec("main", "import time; time.sleep(1)"))
         assert sup.wait_exit(main, timeout_s=30) == 0
+
+
+# A service that stays alive while its health fails, as a vLLM API server whose engine died:
+# `/health` answers 200 until the file `mode` says "503" (answer that) or "close" (stop
+# listening but keep running, e.g. a server stuck in its shutdown); "ok" again heals it.
+_FLAKY = """
+import http.server as h, pathlib, sys, threading, time
+mode = pathlib.Path(sys.argv[1])
+class H(h.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(503 if mode.read_text() == "503" else 200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = h.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])), H)
+threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+print("serving", flush=True)
+while mode.read_text() != "close":
+    time.sleep(0.05)
+server.shutdown()
+server.server_close()
+print("stopped listening", flush=True)
+time.sleep(300)
+"""
+
+
+def _flaky(tmp_path, unhealthy_after_s: float) -> tuple[ProcessSpec, object]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mode = tmp_path / "mode"
+    mode.write_text("ok")
+    spec = ProcessSpec(
+        "svc",
+        (PY, "-c", _FLAKY, str(mode), str(port)),
+        ready_url=f"http://127.0.0.1:{port}/health",
+        health_url=f"http://127.0.0.1:{port}/health",
+        unhealthy_after_s=unhealthy_after_s,
+        stop_grace_s=5,
+    )
+    return spec, mode
+
+
+@pytest.mark.parametrize(
+    ("mode", "failure"),
+    [("503", "answered 503"), ("close", "could not be reached ([Errno 111] Connection refused)")],
+)
+def test_a_live_service_whose_health_fails_fails_with_its_last_lines(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, mode: str, failure: str
+):
+    monkeypatch.setattr(supervisor, "_PROBE_S", 0.1)
+    spec, mode_file = _flaky(tmp_path, unhealthy_after_s=1.0)
+    with Supervisor(out=io.StringIO()) as sup:
+        svc = sup.start(spec)
+        sup.wait_ready([svc], timeout_s=30)
+        main = sup.start(_spec("main", "import time; time.sleep(60)", stop_grace_s=5))
+        mode_file.write_text(mode)
+        started = time.monotonic()
+        with pytest.raises(ProcessFailed) as e:
+            sup.wait_exit(main, timeout_s=30)
+        took = time.monotonic() - started
+        assert svc.proc.poll() is None  # it still runs: the failure is its health
+    first, *rest = str(e.value).splitlines()
+    assert first == (
+        f"svc is unhealthy: {spec.health_url} {failure} for 1 s while main was running; "
+        "its last lines:"
+    )
+    assert "    serving" in rest and e.value.name == "svc"
+    assert 1.0 <= took < 5.0
+    assert svc.proc.poll() is not None and main.proc.poll() is not None
+
+
+def test_health_that_comes_back_in_time_is_no_failure(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(supervisor, "_PROBE_S", 0.1)
+    spec, mode_file = _flaky(tmp_path, unhealthy_after_s=2.0)
+    code = f"import pathlib, time; m = pathlib.Path({str(mode_file)!r}); " + (
+        "m.write_text('503'); time.sleep(1.0); m.write_text('ok'); time.sleep(2.0)"
+    )
+    with Supervisor(out=io.StringIO()) as sup:
+        svc = sup.start(spec)
+        sup.wait_ready([svc], timeout_s=30)
+        assert sup.wait_exit(sup.start(_spec("main", code)), timeout_s=30) == 0

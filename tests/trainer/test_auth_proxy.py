@@ -10,6 +10,7 @@ they go is tested in test_routing.py)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import socket
@@ -22,6 +23,8 @@ from loopback_upstream import REPLY, Upstream, call, seen_by
 from trainer.auth_proxy import ALLOWED_ROUTES, AuthProxy
 
 TOKEN = "upstream-token"
+# The stand-ins record every request: no /health probes here (they are tested on their own).
+_proxy = functools.partial(AuthProxy, dead_after_s=None)
 
 
 @pytest.fixture(params=[1, 3], ids=["1-replica", "3-replicas"])
@@ -36,7 +39,7 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[list[Upstream]]:
 
 @pytest.fixture
 def proxy(fleet: list[Upstream]) -> Iterator[AuthProxy]:
-    with AuthProxy([u.url for u in fleet], TOKEN) as p:
+    with _proxy([u.url for u in fleet], TOKEN) as p:
         yield p
 
 
@@ -50,7 +53,7 @@ def test_url_carries_a_secret_prefix_that_logs_never_show(
 ):
     with caplog.at_level(logging.INFO):  # the proxy's and the router's lines
         urls = [u.url for u in fleet]
-        with AuthProxy(urls, TOKEN) as a, AuthProxy(urls, TOKEN) as b:
+        with _proxy(urls, TOKEN) as a, _proxy(urls, TOKEN) as b:
             secret = urlsplit(a.url).path.strip("/")
             _call(a, "POST", "/v1/completions", b"{}")
             _call(a, "POST", "/pause", b"{}")
@@ -87,7 +90,7 @@ def test_forwards_completions_with_the_token(proxy: AuthProxy, fleet: list[Upstr
 
 def test_without_a_token_no_authorization_is_sent(fleet: list[Upstream]):
     """Unauthenticated local replicas: the proxy still routes, and adds no header."""
-    with AuthProxy([u.url for u in fleet], None) as proxy:
+    with _proxy([u.url for u in fleet], None) as proxy:
         status, _ = _call(
             proxy, "POST", "/v1/completions", b"{}", headers={"Authorization": "Bearer mine"}
         )

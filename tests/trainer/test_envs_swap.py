@@ -1,7 +1,8 @@
 """Swapping the environment as the README's "Use another OpenEnv environment" says: its example
 class is valid as TRL reads tools, a class written by that recipe plays a second, real OpenEnv
 server (`say_env`) through a TRL-shaped tool loop with rewards, and registering it in
-`ENVIRONMENTS` makes it a `--env` of the trainer with its own prompt."""
+`ENVIRONMENTS` makes it a `--env` of the trainer with its own prompt (`--env package.module:Class`
+needs no registration: tests/trainer/test_env_spec.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 from transformers.utils import get_json_schema
 
 from trainer import envs
-from trainer.envs import ENVIRONMENTS, OpenEnvSession, environment_factory
+from trainer.env_spec import resolve
+from trainer.envs import ENVIRONMENTS, OpenEnvSession
 from trainer.train import build_parser
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -80,8 +82,9 @@ def test_registered_envs_prompts_name_their_tools():
 def test_registering_makes_a_trainer_env(monkeypatch):
     monkeypatch.setitem(envs.ENVIRONMENTS, "say", SayTool)
     args = build_parser().parse_args(["--env", "say", "--env-url", "http://127.0.0.1:1"])
-    factory = environment_factory(args.env, args.env_url)
-    assert isinstance(factory, functools.partial) and factory().prompt == SayTool.prompt
+    spec = resolve(args.env, args.env_url)  # what the trainer plays, after its pre-flight
+    assert isinstance(spec.factory, functools.partial) and spec.factory.func is SayTool
+    assert spec.prompt == SayTool.prompt and spec.factory().base_url == "http://127.0.0.1:1"
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ record what reached each of them (`loopback_upstream`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -17,9 +18,11 @@ import pytest
 from loopback_upstream import Upstream, call, seen_by
 
 from trainer.auth_proxy import AuthProxy
-from trainer.routing import NoReplica, Router, within_staleness
+from trainer.routing import Liveness, NoReplica, Router, within_staleness
 
 TOKEN = "upstream-token"
+# The stand-ins record every request: no /health probes here (they are tested on their own).
+_proxy = functools.partial(AuthProxy, dead_after_s=None)
 A, B, C = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
 COOLDOWN_S = 2.0  # longer than a dozen loopback requests take on a busy machine
 
@@ -148,6 +151,61 @@ def test_upstreams_must_be_distinct_urls(upstreams):
         Router(upstreams)
 
 
+# --- liveness: which replicas are down, from /health probes -------------------------------------
+
+
+def test_a_replica_is_down_once_its_probes_failed_for_dead_after_s(
+    caplog: pytest.LogCaptureFixture,
+):
+    clock = Clock()
+    liveness = Liveness([A, B], dead_after_s=10.0, clock=clock)
+    with caplog.at_level(logging.INFO, logger="trainer.routing"):
+        for url in (A, B):
+            liveness.probed(url, None)
+        liveness.probed(A, "answered 503")
+        clock.now += 9.9
+        liveness.probed(A, "could not be reached")
+        assert liveness.down() == {}
+        clock.now += 0.1
+        assert liveness.down() == {A: "/health could not be reached for 10 s"}
+        clock.now += 5.0
+        assert liveness.down() == {A: "/health could not be reached for 15 s"}
+        liveness.probed(A, None)  # one answer ends the outage
+        assert liveness.down() == {}
+    lines = [r.getMessage() for r in caplog.records]
+    assert [m for m in lines if "is down" in m] == [
+        f"rollout replica {A} is down: /health could not be reached for 10 s"
+    ]  # one line per outage
+    assert f"rollout replica {A} answers /health again" in lines
+
+
+def test_a_failure_between_answers_starts_the_count_again():
+    clock = Clock()
+    liveness = Liveness([A], dead_after_s=10.0, clock=clock)
+    liveness.probed(A, None)
+    liveness.probed(A, "answered 503")
+    clock.now += 8.0
+    liveness.probed(A, None)
+    liveness.probed(A, "answered 503")
+    clock.now += 8.0
+    assert liveness.down() == {}
+
+
+def test_a_replica_that_never_answered_is_starting_not_down():
+    clock = Clock()
+    liveness = Liveness([A], dead_after_s=10.0, clock=clock)
+    liveness.probed(A, "could not be reached")
+    clock.now += 60.0
+    liveness.probed(A, "could not be reached")
+    assert liveness.down() == {}
+
+
+@pytest.mark.parametrize("dead_after_s", [0.0, -1.0, float("nan")])
+def test_dead_after_s_must_be_positive(dead_after_s: float):
+    with pytest.raises(ValueError, match="dead_after_s"):
+        Liveness([A], dead_after_s=dead_after_s)
+
+
 # --- the proxy over real loopback servers -------------------------------------------------------
 
 
@@ -170,7 +228,7 @@ def _counts(fleet: list[Upstream], method: str = "POST") -> list[int]:
 
 
 def test_completions_are_spread_over_every_replica(fleet: list[Upstream]):
-    with AuthProxy([u.url for u in fleet], TOKEN) as proxy:
+    with _proxy([u.url for u in fleet], TOKEN) as proxy:
         replies = _generate(proxy, 30)
     assert [status for status, _ in replies] == [200] * 30
     assert _counts(fleet) == [10, 10, 10]
@@ -185,7 +243,7 @@ def test_concurrent_completions_are_spread_evenly(fleet: list[Upstream]):
     for upstream in fleet:
         upstream.delay_s = 0.02
     with (
-        AuthProxy([u.url for u in fleet], TOKEN) as proxy,
+        _proxy([u.url for u in fleet], TOKEN) as proxy,
         ThreadPoolExecutor(8) as callers,
     ):
         replies = list(callers.map(lambda _: _generate(proxy)[0][0], range(48)))
@@ -198,7 +256,7 @@ def test_concurrent_completions_are_spread_evenly(fleet: list[Upstream]):
 def test_a_busy_replica_gets_no_more_until_it_answers(fleet: list[Upstream]):
     slow = fleet[0]
     slow.hold.clear()
-    with AuthProxy([u.url for u in fleet], TOKEN) as proxy:
+    with _proxy([u.url for u in fleet], TOKEN) as proxy:
         held = threading.Thread(target=_generate, args=(proxy,), daemon=True)
         held.start()  # the first request goes to fleet[0], which holds it
         assert slow.arrived.wait(10)
@@ -214,7 +272,7 @@ def test_a_lagging_replica_receives_no_completions(fleet: list[Upstream]):
     """The trainer's view (`within_staleness` over `transfer.state.synced`) decides per request."""
     synced = {"vllm-0": 5, "vllm-1": 5, "vllm-2": 3}
     named = {f"vllm-{i}": u.url for i, u in enumerate(fleet)}
-    with AuthProxy(
+    with _proxy(
         [u.url for u in fleet], TOKEN, eligible=lambda: within_staleness(synced, named, 1)
     ) as proxy:
         _generate(proxy, 10)
@@ -238,7 +296,7 @@ def test_a_replica_that_refuses_is_skipped_then_retried(
     down.stop()
     with (
         caplog.at_level(logging.INFO, logger="trainer.routing"),
-        AuthProxy([u.url for u in fleet], TOKEN, cooldown_s=COOLDOWN_S) as proxy,
+        _proxy([u.url for u in fleet], TOKEN, cooldown_s=COOLDOWN_S) as proxy,
     ):
         started = time.monotonic()
         replies = _generate(proxy, 12)  # the one sent to the dead port goes on to the next
@@ -259,7 +317,7 @@ def test_a_replica_that_refuses_is_skipped_then_retried(
 def test_a_replica_answering_5xx_is_skipped_then_retried(fleet: list[Upstream]):
     broken = fleet[0]
     broken.status = 500
-    with AuthProxy([u.url for u in fleet], TOKEN, cooldown_s=COOLDOWN_S) as proxy:
+    with _proxy([u.url for u in fleet], TOKEN, cooldown_s=COOLDOWN_S) as proxy:
         replies = _generate(proxy, 7)
         # the first went to fleet[0]: its 500 goes back to TRL (which retries); then it sits out
         assert [status for status, _ in replies] == [500] + [200] * 6
@@ -271,7 +329,7 @@ def test_a_replica_answering_5xx_is_skipped_then_retried(fleet: list[Upstream]):
 
 
 def test_no_eligible_replica_is_a_quick_one_line_503(fleet: list[Upstream]):
-    with AuthProxy([u.url for u in fleet], TOKEN, eligible=lambda: ()) as proxy:
+    with _proxy([u.url for u in fleet], TOKEN, eligible=lambda: ()) as proxy:
         started = time.perf_counter()
         status, body = call(proxy.url, "POST", "/v1/completions", b"{}")
         took = time.perf_counter() - started
@@ -285,7 +343,7 @@ def test_no_eligible_replica_is_a_quick_one_line_503(fleet: list[Upstream]):
 def test_every_replica_cooling_down_is_a_503(fleet: list[Upstream]):
     for upstream in fleet:
         upstream.status = 503  # e.g. replicas still bootstrapping
-    with AuthProxy([u.url for u in fleet], TOKEN, cooldown_s=30) as proxy:
+    with _proxy([u.url for u in fleet], TOKEN, cooldown_s=30) as proxy:
         first = [status for status, _ in _generate(proxy, 3)]
         status, body = _generate(proxy)[0]
     assert first == [503] * 3 and _counts(fleet) == [1, 1, 1]
@@ -302,7 +360,7 @@ def test_refusals_reach_no_replica_whichever_is_next(fleet: list[Upstream]):
         ("POST", "/v1/completions", {}, False),  # no secret prefix
         ("GET", "/weight_info", {}, True),
     ]
-    with AuthProxy([u.url for u in fleet], TOKEN) as proxy:
+    with _proxy([u.url for u in fleet], TOKEN) as proxy:
         for method, path, headers, prefix in refused * 3:
             body = b"{}" if method == "POST" else None
             status, _ = call(proxy.url, method, path, body, headers=headers, prefix=prefix)

@@ -42,6 +42,7 @@ def _train(tmp: Path, model_dir: Path, urls: list[str], steps: int, seed: int) -
         "--output-dir",
         str(tmp / "out"),
         "--verify-replicas",
+        "--verbose",  # the raw log lines on stdout too
     ]
     for url in urls:
         cmd += ["--vllm-server-url", url]

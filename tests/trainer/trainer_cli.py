@@ -23,10 +23,12 @@ T = TypeVar("T")
 def train_command(
     tmp: Path, model: Path, urls: list[str], *, steps: int, run_id: str, extra: tuple = ()
 ) -> list[str]:
-    """The trainer on the tiny model (already built in `model`), verifying replicas every sync."""
+    """The trainer on the tiny model (already built in `model`), verifying replicas every sync;
+    `--verbose`, so its raw log lines reach the test's log too."""
     cmd = [sys.executable, "-m", "trainer.train", "--model", "tiny", "--model-dir", str(model)]
     cmd += ["--bucket", str(tmp / "bucket"), "--run-id", run_id, "--steps", str(steps)]
-    cmd += ["--output-dir", str(tmp / f"out-{run_id}"), "--verify-replicas", *map(str, extra)]
+    cmd += ["--output-dir", str(tmp / f"out-{run_id}"), "--verify-replicas", "--verbose"]
+    cmd += list(map(str, extra))
     for url in urls:
         cmd += ["--vllm-server-url", url]
     return cmd

@@ -71,12 +71,12 @@ def test_cpu_env_hides_vision_packages_in_every_process():
 
 def test_refuses_to_start_unprotected(monkeypatch, capsys, tmp_path):
     monkeypatch.delenv("DELTASYNC_API_KEY", raising=False)
-    assert main(["--model", "/m", "--bucket", str(tmp_path)]) == 2
+    assert main(["--model", "m", "--bucket", str(tmp_path)]) == 2
     assert "DELTASYNC_API_KEY" in capsys.readouterr().err
-    assert main(["--model", "/m", "--insecure-no-auth", "--host", "0.0.0.0"]) == 2
+    assert main(["--model", "m", "--insecure-no-auth", "--host", "0.0.0.0"]) == 2
     assert "loopback" in capsys.readouterr().err
     monkeypatch.setenv("DELTASYNC_API_KEY", "k")
-    assert main(["--model", "/m", "--dev-routes", "--host", "0.0.0.0"]) == 2
+    assert main(["--model", "m", "--dev-routes", "--host", "0.0.0.0"]) == 2
     assert "--dev-routes only with a loopback" in capsys.readouterr().err
 
 
@@ -156,7 +156,7 @@ def test_follow_settings_reach_the_server_process(
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(serve.subprocess, "Popen", popen)
     monkeypatch.setattr(serve.signal, "signal", lambda *args: None)
-    assert main(["--model", "/m", "--bucket", str(tmp_path), *argv]) == 1
+    assert main(["--model", "m", "--bucket", str(tmp_path), *argv]) == 1
     assert seen["DELTASYNC_FOLLOW"] == follow
     assert float(seen["DELTASYNC_FOLLOW_INTERVAL_S"]) == interval
 
@@ -178,5 +178,5 @@ def test_bad_follow_settings_are_one_line_errors(monkeypatch, capsys, argv, env,
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit) as info:
-        main(["--model", "/m", *argv])
+        main(["--model", "m", *argv])
     assert info.value.code == 2 and message in capsys.readouterr().err

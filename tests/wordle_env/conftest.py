@@ -1,4 +1,5 @@
-"""Real Wordle servers on loopback for the tests: started as ``python -m wordle_env.server``."""
+"""Real Wordle servers on loopback for the tests: started as ``python -m wordle_env.server``
+(the Space's command) or, where a test says so, as ``uvicorn wordle_env.server.app:app``."""
 
 from __future__ import annotations
 
@@ -61,13 +62,16 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{log.read_text()}")
 
 
-def run_server(tmp: Path, env: dict[str, str] | None = None) -> Iterator[Server]:
-    """Yield a fresh server; stop it afterwards, whatever happened, and check its log."""
+def run_server(
+    tmp: Path, env: dict[str, str] | None = None, module: str = "wordle_env.server"
+) -> Iterator[Server]:
+    """Yield a fresh server, ``python -m module``; stop it afterwards and check its log."""
     port = _free_port()
     log = tmp / f"server-{port}.log"
+    args = ["wordle_env.server.app:app"] if module == "uvicorn" else []
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "wordle_env.server", "--port", str(port), *_QUIET],
+            [sys.executable, "-m", module, *args, "--port", str(port), *_QUIET],
             cwd=REPO_ROOT,
             env={**_clean_environ(), **(env or {})},
             stdout=out,
@@ -96,6 +100,20 @@ def wordle_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="session")
 def server_url(wordle_server: Server) -> str:
     return wordle_server.url
+
+
+@pytest.fixture(scope="session")
+def web_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The Space's settings: OpenEnv's web page on, Gradio's temp folder where tests can see it."""
+    tmp = tmp_path_factory.mktemp("wordle-web")
+    env = {"ENABLE_WEB_INTERFACE": "true", "GRADIO_TEMP_DIR": str(tmp / "gradio")}
+    yield from run_server(tmp, env)
+
+
+@pytest.fixture(scope="session")
+def uvicorn_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``uvicorn wordle_env.server.app:app``, OpenEnv's way of serving the module-level app."""
+    yield from run_server(tmp_path_factory.mktemp("wordle-uvicorn"), module="uvicorn")
 
 
 @pytest.fixture(scope="module")

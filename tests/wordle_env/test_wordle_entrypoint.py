@@ -1,17 +1,21 @@
-"""``python -m wordle_env.server``: arguments, and the settings read from the environment."""
+"""The entry points (``main``, ``python -m``, the module-level ``app``): arguments, and the
+settings read from the environment."""
 
 from __future__ import annotations
 
+import runpy
+import sys
 from typing import Any
 
 import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from wordle_env.server import __main__ as entry
+from wordle_env.server import app as entry
 from wordle_env.server.sessions import SessionLimits
 
 DEADLINES = ("SESSION_FIRST_MESSAGE_TIMEOUT_S", "SESSION_IDLE_TIMEOUT_S")
+SETTINGS = ("MAX_CONCURRENT_ENVS", "ENABLE_WEB_INTERFACE", *DEADLINES)
 
 
 @pytest.fixture
@@ -23,7 +27,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         captured.update(kwargs, app=app)
 
     monkeypatch.setattr(entry.uvicorn, "run", fake_run)
-    for name in ("MAX_CONCURRENT_ENVS", *DEADLINES):
+    for name in SETTINGS:
         monkeypatch.delenv(name, raising=False)
     return captured
 
@@ -34,9 +38,9 @@ def limits(monkeypatch: pytest.MonkeyPatch) -> list[SessionLimits]:
     seen: list[SessionLimits] = []
     build = entry.create_wordle_app
 
-    def spy(capacity: int, limits: SessionLimits) -> FastAPI:
+    def spy(capacity: int, limits: SessionLimits, *, web: bool) -> FastAPI:
         seen.append(limits)
-        return build(capacity, limits)
+        return build(capacity, limits, web=web)
 
     monkeypatch.setattr(entry, "create_wordle_app", spy)
     return seen
@@ -116,3 +120,65 @@ def test_bad_deadline_is_a_one_line_error(
 def test_session_limits_refuse_non_positive(first: float, idle: float) -> None:
     with pytest.raises(ValueError, match="must be a positive number of seconds"):
         SessionLimits(first_message_s=first, idle_s=idle)
+
+
+def _paths(app: FastAPI) -> set[str]:
+    return {getattr(route, "path", "") for route in app.routes}
+
+
+def test_web_page_only_when_enabled(
+    served: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entry.main([])
+    assert "/web" not in _paths(served["app"])
+    monkeypatch.setenv("ENABLE_WEB_INTERFACE", "True")
+    entry.main([])
+    assert {"/", "/web", "/web/step"} <= _paths(served["app"])
+
+
+@pytest.mark.parametrize("value", ["on", "2", "enabled"])
+def test_bad_web_switch_is_a_one_line_error(
+    served: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    value: str,
+) -> None:
+    monkeypatch.setenv("ENABLE_WEB_INTERFACE", value)
+    with pytest.raises(SystemExit) as exit_info:
+        entry.main([])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"ENABLE_WEB_INTERFACE must be one of true, 1, yes, false, 0, no, got {value!r}" in err
+    assert not served
+
+
+def test_module_app_is_built_from_the_environment_on_first_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``uvicorn wordle_env.server.app:app``: importing builds nothing; the first use does."""
+    monkeypatch.delitem(vars(entry), "app", raising=False)
+    for name in SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MAX_CONCURRENT_ENVS", "1")
+    app = entry.app
+    assert entry.app is app
+    with TestClient(app) as client, client.websocket_connect("/ws") as first:
+        first.send_json({"type": "reset", "data": {"word": "crane"}})
+        assert first.receive_json()["type"] == "observation"
+        with client.websocket_connect("/ws") as second:
+            assert second.receive_json()["data"]["code"] == "CAPACITY_REACHED"
+    with pytest.raises(AttributeError, match="has no attribute 'other'"):
+        _ = entry.other
+
+
+# runpy warns because this process imported the module already; a fresh ``python -m`` does not.
+@pytest.mark.filterwarnings("ignore:'wordle_env.server.app' found in sys.modules:RuntimeWarning")
+@pytest.mark.parametrize("module", ["wordle_env.server", "wordle_env.server.app"])
+def test_python_dash_m_runs_main(
+    module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    assert exit_info.value.code == 0
+    assert "usage: python -m wordle_env.server" in capsys.readouterr().out

@@ -1,6 +1,8 @@
-"""Wordle OpenEnv server: the environment and the FastAPI app that serves it."""
+"""Wordle OpenEnv server: the environment here; the app, ``app`` and ``main`` in ``.app``.
 
-from wordle_env.server.app import DEFAULT_MAX_CONCURRENT_ENVS, create_wordle_app
+The app is not imported here, so that ``python -m wordle_env.server.app`` runs it cleanly.
+"""
+
 from wordle_env.server.environment import WordleEnvironment
 
-__all__ = ["DEFAULT_MAX_CONCURRENT_ENVS", "WordleEnvironment", "create_wordle_app"]
+__all__ = ["WordleEnvironment"]

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from wordle_env.models import InvalidResetError
 
-__all__ = ["install_error_handlers"]
+__all__ = ["bounded_errors", "install_error_handlers", "refusal"]
 
 _MAX_ERRORS = 10
 _MAX_CHARS = 200
@@ -33,24 +33,21 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(InvalidResetError, _invalid_reset)
 
 
-async def _invalid_request(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
-    return _refuse(request, _bounded(exc.errors()))
+def refusal(
+    method: str, path: str, detail: str | list[dict[str, Any]], status: int = 422
+) -> JSONResponse:
+    """The answer to refused input: ``{"detail": ...}``, after one log line saying why."""
+    if isinstance(detail, str):
+        reason = detail
+    else:
+        reason = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in detail)
+    # unicode_escape keeps the line one line whatever the client sent (newlines, control bytes).
+    line = reason[: 2 * _MAX_CHARS].encode("unicode_escape").decode("ascii")
+    _log.warning("%s %s refused (%d): %s", method, path, status, line)
+    return JSONResponse({"detail": detail}, status_code=status)
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    """OpenEnv's ``/step`` puts pydantic's errors, inputs included, in an HTTPException."""
-    assert isinstance(exc, HTTPException)
-    if not isinstance(exc.detail, list):
-        return await http_exception_handler(request, exc)
-    return _refuse(request, _bounded(exc.detail), exc.status_code)
-
-
-async def _invalid_reset(request: Request, exc: Exception) -> Response:
-    return _refuse(request, str(exc))
-
-
-def _bounded(errors: Sequence[Any]) -> list[dict[str, Any]]:
+def bounded_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
     """Pydantic errors without ``input``/``ctx``: the place and the rule, each part clipped."""
     return [
         {
@@ -63,12 +60,18 @@ def _bounded(errors: Sequence[Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _refuse(request: Request, detail: str | list[dict[str, Any]], status: int = 422) -> Response:
-    if isinstance(detail, str):
-        reason = detail
-    else:
-        reason = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in detail)
-    # unicode_escape keeps the line one line whatever the client sent (newlines, control bytes).
-    line = reason[: 2 * _MAX_CHARS].encode("unicode_escape").decode("ascii")
-    _log.warning("%s %s refused (%d): %s", request.method, request.url.path, status, line)
-    return JSONResponse({"detail": detail}, status_code=status)
+async def _invalid_request(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return refusal(request.method, request.url.path, bounded_errors(exc.errors()))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """OpenEnv's ``/step`` puts pydantic's errors, inputs included, in an HTTPException."""
+    assert isinstance(exc, HTTPException)
+    if not isinstance(exc.detail, list):
+        return await http_exception_handler(request, exc)
+    return refusal(request.method, request.url.path, bounded_errors(exc.detail), exc.status_code)
+
+
+async def _invalid_reset(request: Request, exc: Exception) -> Response:
+    return refusal(request.method, request.url.path, str(exc))

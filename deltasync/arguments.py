@@ -1,0 +1,200 @@
+"""Argument types the command-line entry points share (the benchmarks, the trainer, the replica
+server, launch.py): a mistyped number, folder, port or URL ends in argparse's one-line `error:`
+(exit status 2) before any model is built, never in a traceback halfway through a run.
+Torch-free (`torch_device` imports it when called)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from pathlib import Path
+from urllib.parse import urlsplit
+
+__all__ = [
+    "bucket_url",
+    "count",
+    "folder",
+    "fraction",
+    "http_url",
+    "json_path",
+    "learning_rate",
+    "model_ref",
+    "non_negative",
+    "port",
+    "positive",
+    "rate",
+    "scratch",
+    "torch_device",
+    "whole",
+    "zstd_level",
+]
+
+
+def _number(text: str, kind: type) -> float:
+    try:
+        value = kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def count(text: str) -> int:
+    """An integer >= 1 (steps, versions, replicas, repeats, ranks)."""
+    value = int(_number(text, int))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def whole(text: str) -> int:
+    """An integer >= 0 (how many faults to inject)."""
+    value = int(_number(text, int))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port a server can listen on (1-65535)."""
+    value = int(_number(text, int))
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {value}")
+    return value
+
+
+def positive(text: str) -> float:
+    """A number > 0 (timeouts, intervals)."""
+    value = _number(text, float)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def zstd_level(text: str) -> int:
+    value = int(_number(text, int))
+    if not 1 <= value <= 22:
+        raise argparse.ArgumentTypeError(f"expected a zstd level in 1..22, got {value}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """A number >= 0 (delays)."""
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A share strictly between 0 and 1 (densities)."""
+    value = _number(text, float)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text}")
+    return value
+
+
+def rate(text: str) -> float:
+    """A probability in [0, 1) (fault rates: 1 would never let an operation through)."""
+    value = _number(text, float)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
+    return value
+
+
+def learning_rate(text: str) -> float:
+    value = _number(text, float)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a learning rate in (0, 1), got {text}")
+    return value
+
+
+def torch_device(text: str) -> str:
+    """A torch device this machine has (cpu, cuda, cuda:1)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a torch device (cpu, cuda), got {text!r}"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("no CUDA device here: pass --device cpu to run on the CPU")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
+    return text
+
+
+def _creatable(path: Path, text: str) -> None:
+    """A folder can be made at `path`: no part of it is a file."""
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                where = "" if part == path else f": {part}"
+                raise argparse.ArgumentTypeError(f"{text}{where} is a file, not a folder")
+            return
+
+
+def folder(text: str) -> str:
+    """A folder to use, created when missing (work folders, caches)."""
+    _creatable(Path(text).expanduser(), text)
+    return text
+
+
+def json_path(text: str) -> str:
+    """Where to write a JSON result (its folder is created when missing)."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
+    _creatable(path.parent, text)
+    return text
+
+
+def http_url(text: str) -> str:
+    """An http(s) URL naming a host (a server to use instead of starting one)."""
+    parts = urlsplit(text)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        raise argparse.ArgumentTypeError(f"expected http://HOST[:PORT], got {text!r}")
+    return text.rstrip("/")
+
+
+def bucket_url(text: str) -> str:
+    """A folder or a URL whose protocol fsspec knows (`hf://buckets/NS/NAME`, `s3://...`),
+    checked without connecting or creating anything."""
+    if "://" not in text:
+        _creatable(Path(text).expanduser(), text)
+        return text
+    import fsspec
+
+    protocol = text.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ValueError, ImportError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot use {text!r}: {str(exc).splitlines()[0]}; use a folder, "
+            "hf://buckets/NS/NAME, s3://, gs:// or another fsspec protocol"
+        ) from None
+    return text
+
+
+def model_ref(text: str) -> str:
+    """A Hub model id or a model folder; a path (it starts with /, ., ~) must exist."""
+    if text.startswith(("/", ".", "~")) and not Path(text).expanduser().is_dir():
+        raise argparse.ArgumentTypeError(f"no model folder {text}")
+    return text
+
+
+def scratch(parent: str | None, prefix: str) -> Path:
+    """A fresh temporary folder, inside `parent` (created when missing) if given."""
+    where = None if parent is None else Path(parent).expanduser()
+    if where is not None:
+        where.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=where))

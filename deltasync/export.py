@@ -1,0 +1,235 @@
+"""`python -m deltasync export`: a committed version as a model repository (weights, config,
+tokenizer), written to a folder or uploaded to a Hub model repository.
+
+Everything that needs no weights is checked first (destination, Hub login, run, version, model
+files), so a mistake costs seconds and writes nothing. Then the one reader (`Replica`) replays
+the chain, the result must match the manifest's full-state digest of that version and fit the
+model's config, and only then is anything written.
+
+Config and tokenizer: a bucket names the model a run started from only in a virtual anchor
+(version 1, when the weights still equalled that checkpoint, until retention deletes it);
+otherwise `model` (a Hub id or a folder) must name it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from pathlib import Path
+
+from . import import_tensor_side
+from .codec import ParsedFile
+from .errors import DeltaSyncError
+from .manifest import Manifest, fetch_entry, read_manifest
+from .source import ModelSource
+from .store import Store
+
+__all__ = ["ExportError", "ModelFiles", "committed_version", "export", "model_files"]
+
+CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "vocab*",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template*",
+    "*.tiktoken",
+)
+_MODEL_FILES = (*CONFIG_FILES, *TOKENIZER_FILES)
+_TOKENIZER_PROOF = ("tokenizer.json", "tokenizer.model", "vocab*", "*.tiktoken")
+
+
+class ExportError(DeltaSyncError):
+    """An export cannot be done as asked; nothing was written."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A folder holding a model's config and tokenizer; `name` says where it came from, and
+    `hub_id` is the Hub repository when there is one (the model card's `base_model`)."""
+
+    folder: Path
+    name: str
+    hub_id: str | None = None
+
+    def files(self) -> list[Path]:
+        """The config and tokenizer files to copy (top level only; never weights)."""
+        return sorted(
+            p
+            for p in self.folder.iterdir()
+            if p.is_file() and any(fnmatch(p.name, pattern) for pattern in _MODEL_FILES)
+        )
+
+
+def export(
+    store: Store,
+    *,
+    version: int | None = None,
+    run_id: str | None = None,
+    model: str | None = None,
+    out: str | None = None,
+    to: str | None = None,
+    private: bool = False,
+    progress: Callable | None = None,
+) -> list[str]:
+    """Export one committed version to the folder `out` or the Hub repository `to`; returns
+    what was done, as lines to print. Raises `DeltaSyncError` (nothing written) on any problem.
+
+    `progress` wraps the chain's files while they are replayed (e.g. `tqdm`).
+    """
+    if (out is None) == (to is None):
+        raise ExportError("give exactly one destination: a folder (out) or a Hub repository (to)")
+    destination = _empty_folder(out) if out is not None else None
+    hub = None
+    if to is not None:
+        from .export_hub import Hub, validate_target  # only a Hub export needs the client
+
+        hub = Hub.logged_in(validate_target(to))
+    manifest = read_manifest(store)
+    if manifest is None:
+        raise ExportError(f"the bucket {store.url} has no manifest (nothing published yet)")
+    _check_run(store, manifest, run_id)
+    version = committed_version(manifest, version)
+    files = model_files(store, manifest, model)
+
+    weights = import_tensor_side("deltasync.export_weights")
+    plan = manifest.plan(None, None, version)
+    tensors, digest = weights.replay(
+        store, manifest, version, plan if progress is None else progress(plan)
+    )
+    weights.check_fits(tensors, files)
+    card = weights.model_card(manifest.run_id, version, digest, files)
+    done = [
+        f"replayed run {manifest.run_id} to version {version} ({len(plan)} files); "
+        f"full-state digest {digest or '(protocol 1: per-tensor digests)'} verified"
+    ]
+    if hub is None:
+        assert destination is not None
+        written = _write_folder(
+            destination, lambda folder: weights.write_model(tensors, files, folder, card)
+        )
+        return [*done, f"wrote {destination}: {', '.join(written)}"]
+    message = f"deltasync export: run {manifest.run_id} version {version}"
+    with tempfile.TemporaryDirectory(prefix="deltasync-export-") as staging:
+        weights.write_model(tensors, files, Path(staging), card)
+        url = hub.upload(Path(staging), private=private, message=message)
+    return [*done, f"uploaded to {url}"]
+
+
+def committed_version(manifest: Manifest, version: int | None) -> int:
+    """`version` (default: the latest) when the bucket can still produce it; otherwise an
+    `ExportError` naming the versions it holds."""
+    oldest = min(a.version for a in manifest.anchors)
+    latest = manifest.latest_version
+    target = latest if version is None else version
+    if oldest <= target <= latest:
+        manifest.plan(None, None, target)  # the one planner: raises if no route remains
+        return target
+    held = f"versions {oldest}..{latest}" if oldest < latest else f"version {latest} only"
+    why = "is not committed yet" if target > latest else "was deleted by retention"
+    raise ExportError(f"version {target} of run {manifest.run_id} {why}; the bucket holds {held}")
+
+
+def model_files(store: Store, manifest: Manifest, model: str | None) -> ModelFiles:
+    """Where config and tokenizer come from: `model` (a folder or a Hub id) when given, else
+    the checkpoint the run's virtual anchor names, while the bucket still holds it."""
+    if model is not None:
+        found = _named_model(model)
+    else:
+        source = _recorded_source(store, manifest)
+        if source is None:
+            raise ExportError(
+                f"the bucket does not record the model run {manifest.run_id} started from (only "
+                "a virtual anchor at version 1 does, and this bucket holds none): pass --model "
+                "HUB_ID_OR_FOLDER, the model the trainer loaded, for config and tokenizer"
+            )
+        found = _source_files(source)
+    if not (found.folder / "config.json").is_file():
+        raise ExportError(f"{found.name} has no config.json: pass the model the trainer loaded")
+    if not any(fnmatch(p.name, t) for p in found.files() for t in _TOKENIZER_PROOF):
+        raise ExportError(
+            f"{found.name} has no tokenizer (tokenizer.json, tokenizer.model, vocab...): pass "
+            "--model with the trainer's tokenizer"
+        )
+    return found
+
+
+def _named_model(model: str) -> ModelFiles:
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        return ModelFiles(folder.resolve(), str(folder))
+    if folder.exists():
+        raise ExportError(f"--model {model} is a file, not a model folder or Hub id")
+    if model.startswith(("/", ".", "~")) or model.count("/") > 1:
+        raise ExportError(f"--model {model}: no such folder")
+    from .export_hub import download_model_files
+
+    return ModelFiles(download_model_files(model, None, _MODEL_FILES), model, model)
+
+
+def _recorded_source(store: Store, manifest: Manifest) -> ModelSource | None:
+    """The checkpoint a retained virtual anchor names (a small file), if there is one."""
+    for entry in manifest.anchors:
+        if entry.encoding == "virtual" and entry.parts is None:
+            data = fetch_entry(store, entry)
+            assert isinstance(data, bytes)  # an entry without parts is one file
+            return ParsedFile.parse(data, path=entry.path).meta.source
+    return None
+
+
+def _source_files(source: ModelSource) -> ModelFiles:
+    if source.kind == "hub":
+        from .export_hub import download_model_files
+
+        folder = download_model_files(source.location, source.revision, _MODEL_FILES)
+        return ModelFiles(folder, str(source), source.location)
+    folder = Path(source.location)
+    if not folder.is_dir():
+        raise ExportError(
+            f"the run started from the folder {folder}, which does not exist here: pass --model "
+            "HUB_ID_OR_FOLDER for config and tokenizer"
+        )
+    return ModelFiles(folder, str(folder))
+
+
+def _check_run(store: Store, manifest: Manifest, run_id: str | None) -> None:
+    """A bucket commits one run (its manifest's); others' files under runs/ are leftovers."""
+    if run_id is None or run_id == manifest.run_id:
+        return
+    others = sorted({p.split("/")[1] for p in store.list("runs")} - {manifest.run_id})
+    leftovers = (
+        f"; uncommitted files of {others} (`python -m deltasync gc` lists them)" if others else ""
+    )
+    held = f"it holds run {manifest.run_id!r}"
+    raise ExportError(f"run {run_id!r} is not committed in this bucket: {held}{leftovers}")
+
+
+def _empty_folder(out: str) -> Path:
+    """`out` as a destination: missing or an empty folder (an export never overwrites)."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ExportError(f"--out {out} is a file; give a new or empty folder")
+    if path.is_dir() and any(path.iterdir()):
+        raise ExportError(f"--out {out} is not empty; give a new or empty folder")
+    return path
+
+
+def _write_folder(path: Path, write: Callable[[Path], list[str]]) -> list[str]:
+    """Write into a hidden sibling folder, then rename it into place: a failed export leaves
+    no half-written model behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.name}.export-{secrets.token_hex(4)}"
+    staging.mkdir()  # as the user's umask says (mkdtemp would make it private)
+    try:
+        written = write(staging)
+        os.replace(staging, path)  # replaces an empty folder, never a full one
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return written

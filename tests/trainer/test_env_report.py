@@ -1,0 +1,69 @@
+"""The end-of-run environment report: from the dicts TRL logs per step it tells a run that never
+got a successful tool call or a changing reward, and `launch.py` reads its warnings back."""
+
+from __future__ import annotations
+
+import json
+
+from trainer.env_report import FILE, EnvReport, load_warnings
+
+
+def _report(*logs: dict, tools: tuple[str, ...] = ("add", "shout")) -> EnvReport:
+    report = EnvReport("run", "http://x", "the server's `reward`", tools)
+    for entry in logs:
+        report.observe(entry)
+    return report
+
+
+def _step(reward: float, std: float = 0.0, **tools: float) -> dict:
+    return {"loss": 0.1, "reward": reward, "reward_std": std, **tools}
+
+
+def test_a_learning_run_has_no_warning():
+    report = _step(0.5, 0.5, **{"tools/add/call_total": 4, "tools/add/failure_total": 1})
+    assert _report(report, _step(1.0)).warnings() == []
+
+
+def test_no_tool_call():
+    (warning,) = _report(_step(0.0), _step(0.0, 0.1)).warnings()
+    assert warning.startswith("no tool call in 2 steps: the model never called add, shout")
+
+
+def test_every_tool_call_failed():
+    counters = {
+        "tools/add/call_total": 3,
+        "tools/add/failure_total": 3,
+        "tools/unknown_name_total": 2,  # counted again under the name: not a second failure
+        "tools/nope/call_total": 2,
+        "tools/nope/failure_total": 2,
+    }
+    (warning,) = _report(_step(0.0, 0.2, **counters)).warnings()
+    assert warning.startswith("none of the 5 tool calls succeeded")
+
+
+def test_a_reward_that_never_changes():
+    calls = {"tools/add/call_total": 1}
+    (warning,) = _report(_step(0.0, **calls), _step(0.0), {"loss": 1.0}).warnings()
+    assert warning.startswith("the reward never changed (always 0 over 2 steps; source: the")
+    assert _report(_step(0.0, **calls), _step(0.5)).warnings() == []  # changed between steps
+    assert _report(_step(0.0, 0.3, **calls), _step(0.0)).warnings() == []  # within a step
+
+
+def test_a_class_without_tools_gets_no_tool_warning():
+    assert _report(_step(1.0), _step(0.0), tools=()).warnings() == []
+
+
+def test_values_that_are_no_numbers_are_ignored():
+    report = _report({"reward": "nan", "tools/add/call_total": None}, _step(float("inf")))
+    assert report.rewards == [] and report.calls == 0
+
+
+def test_saved_for_the_launcher_of_that_run_only(tmp_path):
+    report = _report(_step(0.0), _step(0.0))
+    path = report.save(tmp_path / "trainer")
+    assert path.name == FILE and json.loads(path.read_text())["tool_calls"] == 0
+    assert load_warnings(tmp_path / "trainer", "run") == report.warnings() != []
+    assert load_warnings(tmp_path / "trainer", "another-run") == []
+    assert load_warnings(tmp_path / "nowhere", "run") == []
+    path.write_text("{not json")
+    assert load_warnings(tmp_path / "trainer", "run") == []

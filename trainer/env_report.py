@@ -1,0 +1,103 @@
+"""What an environment run taught, from TRL's per-step logs: did any tool call succeed, did the
+reward ever change. A run where neither happened learned nothing, and says so at its end (the
+trainer's log and `launch.py`'s summary, which reads `env_report.json` in the trainer's output
+folder). Stdlib only: the launcher reads it without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FILE", "EnvReport", "load_warnings"]
+
+FILE = "env_report.json"
+_COUNTER = re.compile(r"tools/.+/(call|failure)_total")  # TRL sums them per logged step
+
+
+def _number(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+class EnvReport:
+    """Tool calls and rewards of a run, fed with every dict TRL logs (`observe`)."""
+
+    def __init__(self, run_id: str, env: str, reward: str, tools: tuple[str, ...]):
+        self.run_id, self.env, self.reward, self.tools = run_id, env, reward, tools
+        self.calls = self.failures = 0
+        self.rewards: list[float] = []
+        self.spread = False  # some logged step had rewards that differed
+
+    def observe(self, logs: dict[str, Any]) -> None:
+        for key, value in logs.items():
+            match = _COUNTER.fullmatch(key)
+            if match and (count := _number(value)) is not None:
+                if match[1] == "call":
+                    self.calls += int(count)
+                else:
+                    self.failures += int(count)
+        reward = _number(logs.get("reward"))
+        if reward is not None:
+            self.rewards.append(reward)
+            self.spread = self.spread or (_number(logs.get("reward_std")) or 0.0) > 0.0
+
+    def warnings(self) -> list[str]:
+        """One line per reason this run could not learn from its environment."""
+        found = []
+        steps = len(self.rewards)
+        span = f"{steps} step{'' if steps == 1 else 's'}"
+        if self.tools and self.calls == 0:
+            found.append(
+                f"no tool call in {span}: the model never called {', '.join(self.tools)}, so "
+                "the environment never acted"
+            )
+        elif self.tools and self.failures >= self.calls:
+            found.append(
+                f"none of the {self.calls} tool calls succeeded (unknown tool, wrong arguments "
+                "or a server error: see tools/* in the trainer log)"
+            )
+        if steps and not self.spread and len(set(self.rewards)) == 1:
+            found.append(
+                f"the reward never changed (always {self.rewards[0]:g} over {span}; source: "
+                f"{self.reward}): GRPO had nothing to learn from (echo-style servers send none)"
+            )
+        return found
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the report (atomically) for `launch.py`'s summary; returns its path."""
+        path = Path(folder) / FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "run_id": self.run_id,
+            "env": self.env,
+            "reward": self.reward,
+            "tools": list(self.tools),
+            "tool_calls": self.calls,
+            "tool_failures": self.failures,
+            "rewards": self.rewards,
+            "warnings": self.warnings(),
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+        return path
+
+
+def load_warnings(folder: str | Path, run_id: str) -> list[str]:
+    """The warnings run `run_id` left in `folder` (none without a readable report of it)."""
+    try:
+        record = json.loads((Path(folder) / FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(record, dict) or record.get("run_id") != run_id:
+        return []
+    warnings = record.get("warnings")
+    return [str(w) for w in warnings] if isinstance(warnings, list) else []
