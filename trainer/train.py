@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 from transformers import TrainerCallback
@@ -55,6 +56,8 @@ from .tasks import DEFAULT_CHARS, sanity_dataset, sanity_reward
 from .weight_sync import BucketWeightTransfer
 
 log = logging.getLogger("trainer")
+_LOCAL_DOWN_AFTER_S = 10.0
+_REMOTE_DOWN_AFTER_S = 300.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="rollout server that follows the bucket itself (serve --follow, the Space "
         "default); repeat for several. The trainer never syncs it: it only reads the version "
         "it serves, for routing rollouts",
+    )
+    p.add_argument(
+        "--replica-down-after",
+        type=positive,
+        default=None,
+        metavar="SECONDS",
+        help="stop the run once every rollout replica has failed /health this long (default: "
+        f"{_LOCAL_DOWN_AFTER_S:.0f} s on this machine, {_REMOTE_DOWN_AFTER_S:.0f} s when a "
+        "replica is remote, e.g. a Space that restarts)",
     )
     p.add_argument(
         "--vllm-api-key",
@@ -267,6 +279,7 @@ def _train(args: argparse.Namespace) -> int:
         urls,
         args.vllm_api_key,
         eligible=lambda: within_staleness(transfer.state.synced, named, config.max_staleness),
+        dead_after_s=args.replica_down_after or _down_after(urls),
     )
     config = build_config(args, model=model, cpu=cpu, vllm_url=stack.enter_context(proxy).url)
     sharded = fsdp2_launched()  # FSDP2 ranks: each publishes its own rows
@@ -358,6 +371,12 @@ def _train(args: argparse.Namespace) -> int:
             console.warning("warning: %s", warning)
         report.save(args.output_dir)
     return 1 if lagging else 0
+
+
+def _down_after(urls: Sequence[str]) -> float:
+    """A local replica that fails /health for seconds is dead; a Space restarts in minutes."""
+    local = all(urlsplit(u).hostname in ("127.0.0.1", "localhost", "::1") for u in urls)
+    return _LOCAL_DOWN_AFTER_S if local else _REMOTE_DOWN_AFTER_S
 
 
 def _continued(
