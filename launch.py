@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--env",
-        help=f"sanity, wordle or an OpenEnv server URL (Spaces: {defaults.SPACES_ENV}; "
+        help="sanity, wordle, an OpenEnv server URL or package.module:Class (Spaces: "
+        f"{defaults.SPACES_ENV}; "
         f"--local: {defaults.ENV})",
     )
     p.add_argument("--replicas", type=int, default=1, help="vLLM rollout replicas (default 1)")

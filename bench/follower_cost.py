@@ -44,7 +44,8 @@ RUN_ID = "follower-cost"
 
 
 class CountingStore(LocalStore):
-    """A folder bucket that counts the trainer's operations and the bytes they move."""
+    """A folder bucket that counts the trainer's operations, the bytes they write and the bytes
+    its reads return."""
 
     def __init__(self, root: Path):
         super().__init__(root)
@@ -54,7 +55,8 @@ class CountingStore(LocalStore):
 
     def _call(self, what: str, path: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         self.ops[what] += 1
-        self.bytes_written += sum(len(a) for a in args if isinstance(a, bytes))
+        # the first bytes are what is written (a swap's second are the bytes it replaces)
+        self.bytes_written += next((len(a) for a in args if isinstance(a, bytes)), 0)
         result = super()._call(what, path, fn, *args, **kwargs)
         if isinstance(result, bytes):
             self.bytes_read += len(result)

@@ -1,11 +1,12 @@
 """Argument types the command-line entry points share (the benchmarks, the trainer, the replica
-server, launch.py): a mistyped number, folder, port or URL ends in argparse's one-line `error:`
+server): a mistyped number, folder, port or URL ends in argparse's one-line `error:`
 (exit status 2) before any model is built, never in a traceback halfway through a run.
 Torch-free (`torch_device` imports it when called)."""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import tempfile
 from pathlib import Path
@@ -17,6 +18,7 @@ __all__ = [
     "folder",
     "fraction",
     "http_url",
+    "is_loopback",
     "json_path",
     "learning_rate",
     "model_ref",
@@ -164,6 +166,14 @@ def http_url(text: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
         raise argparse.ArgumentTypeError(f"expected http://HOST[:PORT], got {text!r}")
     return text.rstrip("/")
+
+
+def is_loopback(host: str) -> bool:
+    """`host` (an address or `localhost`) reaches only this machine."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def bucket_url(text: str) -> str:

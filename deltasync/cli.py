@@ -26,6 +26,7 @@ import fsspec
 from tqdm import tqdm
 
 from . import MissingExtra, import_tensor_side
+from .arguments import count, learning_rate
 from .codec import ENCODINGS, read_metadata
 from .errors import DeltaSyncError, FormatError, StoreError
 from .garbage import find_unreferenced
@@ -224,27 +225,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 1 if run_demo(args.bucket, args.steps, args.lr, args.encoding) else 0
 
 
-def _count(text: str) -> int:
-    """An argparse type: an integer >= 1 (versions and steps count from 1)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _learning_rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"expected a learning rate in (0, 1), got {text}")
-    return value
-
-
 def _repo_id(text: str) -> str:
     from .export_hub import validate_target
 
@@ -266,7 +246,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
         "anchor names (while the bucket still holds it).",
     )
     p.add_argument("bucket", help="folder, hf://buckets/NS/NAME, s3://..., memory://...")
-    p.add_argument("--version", type=_count, default=None, help="version (default: the latest)")
+    p.add_argument("--version", type=count, default=None, help="version (default: the latest)")
     p.add_argument("--run-id", default=None, help="refuse unless the bucket's run is this one")
     p.add_argument(
         "--model",
@@ -294,9 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="train a small model and sync it through a local bucket")
     p.add_argument("--bucket", default="./bucket", help="bucket folder or URL (default ./bucket)")
-    p.add_argument("--steps", type=_count, default=30, help="versions to publish (default 30)")
+    p.add_argument("--steps", type=count, default=30, help="versions to publish (default 30)")
     p.add_argument(
-        "--lr", type=_learning_rate, default=1e-6, help="AdamW learning rate (default 1e-6)"
+        "--lr", type=learning_rate, default=1e-6, help="AdamW learning rate (default 1e-6)"
     )
     p.add_argument(
         "--encoding",
@@ -316,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_verify)
     p = sub.add_parser("replay", help="materialise the checkpoint of one version")
     p.add_argument("bucket", help="folder, hf://buckets/NS/NAME, s3://..., memory://...")
-    p.add_argument("--version", type=_count, default=None, help="version (default: latest)")
+    p.add_argument("--version", type=count, default=None, help="version (default: latest)")
     p.add_argument("--out", required=True, help="output folder for model.safetensors")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_replay)

@@ -1,10 +1,10 @@
 """`python -m deltasync export`: a committed version as a model repository (weights, config,
 tokenizer), written to a folder or uploaded to a Hub model repository.
 
-Everything that needs no weights is checked first (destination, Hub login, run, version, model
-files), so a mistake costs seconds and writes nothing. Then the one reader (`Replica`) replays
-the chain, the result must match the manifest's full-state digest of that version and fit the
-model's config, and only then is anything written.
+The destination, Hub login, run, version and model files are checked first, so most mistakes
+cost seconds and write nothing. Then the one reader (`Replica`) replays the chain, the result
+must match the manifest's full-state digest of that version and fit the model's config (known
+only after the replay), and only then is anything written.
 
 Config and tokenizer: a bucket names the model a run started from only in a virtual anchor
 (version 1, when the weights still equalled that checkpoint, until retention deletes it);
@@ -79,9 +79,10 @@ def export(
     progress: Callable | None = None,
 ) -> list[str]:
     """Export one committed version to the folder `out` or the Hub repository `to`; returns
-    what was done, as lines to print. Raises `DeltaSyncError` (nothing written) on any problem.
+        what was done, as lines to print. Raises `DeltaSyncError` (nothing written) on any problem
+    with the bucket, the model or the destination, `MissingExtra` without transformers.
 
-    `progress` wraps the chain's files while they are replayed (e.g. `tqdm`).
+        `progress` wraps the chain's files while they are replayed (e.g. `tqdm`).
     """
     if (out is None) == (to is None):
         raise ExportError("give exactly one destination: a folder (out) or a Hub repository (to)")

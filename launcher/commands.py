@@ -86,7 +86,7 @@ def prepare_command(model: str, model_dir: Path, seed: int) -> list[str]:
 def class_path_env(kind: str) -> dict[str, str]:
     """A session class (`--env package.module:Class`) is imported by the trainer, which runs
     in the repository: give it the folder launch.py was started from, then PYTHONPATH."""
-    if kind in ("sanity", "wordle", "openenv"):
+    if ":" not in kind:  # a name or a URL's kind, not package.module:Class
         return {}
     paths = (os.getcwd(), os.environ.get("PYTHONPATH"))
     return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}

@@ -1,9 +1,10 @@
 """`launch.py --local`: every part as a process on this machine, a folder as the bucket.
 
-Order: the Wordle server (with `--env wordle`) and the dashboard start first, the tiny model is
-built offline, then the vLLM replicas start and catch up with the bucket; once every process is
-healthy the trainer runs its bounded number of steps. When it ends (or anything fails, or Ctrl-C)
-every process is stopped and a summary says where the bucket and the dashboard are.
+Order: the Wordle server (with `--env wordle`) and the dashboard start first, a random Qwen3
+(`small`, `tiny`) is built offline, then the vLLM replicas start and catch up with the bucket;
+once every process is healthy the trainer runs its bounded number of steps. When it ends (or
+anything fails, or Ctrl-C) every process is stopped and a summary says where the bucket and the
+dashboard are.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from .supervisor import ProcessSpec, Supervisor
 
 __all__ = ["LocalPlan", "local_plan", "run_local", "summarize"]
 
-# Wordle's prompt with its tool schema is ~1300 tokens for the tiny model's byte-level tokenizer.
+# Wordle's prompt with its tool schema is ~1300 tokens for a built model's byte-level tokenizer.
 TOOL_CONTEXT = 2048
 _TINY_VLLM_ARGS = "--max-model-len 512 --max-num-seqs 16 --disable-log-stats"
 _VLLM_ARGS = f"--max-model-len {TOOL_CONTEXT} --max-num-seqs 16 --disable-log-stats"
@@ -62,10 +63,10 @@ def local_plan(cfg: LocalConfig) -> LocalPlan:
     run_dir = cfg.run_dir.resolve()
     bucket = cfg.bucket_dir.resolve()
     model_dir = cfg.model_dir.resolve()
-    tiny = cfg.model in BUILT  # a random Qwen3 built offline
-    served = str(model_dir) if tiny else cfg.model  # the replicas serve the trainer's string
+    built = cfg.model in BUILT  # a random Qwen3 built offline
+    served = str(model_dir) if built else cfg.model  # the replicas serve the trainer's string
     key = cfg.api_key or secrets.token_urlsafe(24)
-    short = tiny and kind == "sanity"
+    short = built and kind == "sanity"
     vllm_args = shlex.split(cfg.vllm_args or (_TINY_VLLM_ARGS if short else _VLLM_ARGS))
     services = []
     env_url = None
@@ -111,7 +112,7 @@ def local_plan(cfg: LocalConfig) -> LocalPlan:
         tuple(
             trainer_command(
                 model=cfg.model,
-                model_dir=model_dir if tiny else None,
+                model_dir=model_dir if built else None,
                 bucket=str(bucket),
                 urls=urls,
                 env=kind,
@@ -134,7 +135,7 @@ def local_plan(cfg: LocalConfig) -> LocalPlan:
         stop_grace_s=20,
     )
     prepare = None
-    if tiny:
+    if built:
         prepare = ProcessSpec(
             "prepare",
             tuple(prepare_command(cfg.model, model_dir, cfg.seed)),
@@ -162,7 +163,7 @@ def run_local(cfg: LocalConfig, echo: Callable[[str], None] = print) -> int:
             prep = sup.start(plan.prepare)
             if sup.wait_exit(prep, _PREPARE_TIMEOUT_S) != 0:
                 raise ProcessFailed(
-                    f"building the tiny model failed:\n{prep.last_lines()}", name="prepare"
+                    f"building the model failed:\n{prep.last_lines()}", name="prepare"
                 )
             if env_kind(cfg.env) != "sanity" and cfg.vllm_args is None:
                 _check_context(cfg.model_dir.resolve())
@@ -212,7 +213,7 @@ def _check_context(model_dir: Path) -> None:
     context = int(config.get("max_position_embeddings") or 0)
     if context < TOOL_CONTEXT:
         raise LaunchError(
-            f"the tiny model's context ({context} tokens) is shorter than a Wordle/OpenEnv "
+            f"the built model's context ({context} tokens) is shorter than a Wordle/OpenEnv "
             f"prompt with its tool (~1300 tokens, {TOOL_CONTEXT} needed): use --env sanity, or "
             "a real model (--model Qwen/Qwen3-0.6B, where the Hub is reachable)"
         )

@@ -57,7 +57,9 @@ class AuthProxy:
     TRL's generation calls are plain JSON request/response (never `stream`), so bodies are
     buffered whole. A request whose connection a replica refuses goes to the next one; one that
     no replica can take is answered 503 with a one-line reason (TRL's rollout worker retries).
-    When rollouts cannot go on, `stop_reason` says why (see the module docstring).
+    When rollouts cannot go on - every replica down for `dead_after_s` (`routing.Liveness`, fed
+    by a `/health` probe every 2 s), or a generation request refused for good (a final 4xx) -
+    `stop_reason` says why and generation gets an answer TRL does not retry.
     On exit it logs the completions each replica answered (`router.completions()`).
 
     Args:

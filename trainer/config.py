@@ -9,6 +9,7 @@ from pathlib import Path
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from .defaults import BUILT
+from .tiny_model import PRESETS, Preset, build_tiny_qwen3
 
 __all__ = ["build_config", "prepare_model"]
 
@@ -25,12 +26,9 @@ def prepare_model(model: str, model_dir: str, *, seed: int = 0) -> str:
         return model
     from trl.chat_template_utils import qwen3_chat_template
 
-    from trainer.tiny_model import build_tiny_qwen3
-
     directory = Path(model_dir).resolve()
-    marker = directory / "deltasync_tiny.json"
-    built = json.loads(marker.read_text()) if marker.exists() else {}
-    if (built.get("seed"), built.get("preset", "tiny")) != (seed, model):
+    built = _built(directory)
+    if (built.get("seed"), built.get("preset")) != (seed, model):
         build_tiny_qwen3(directory, seed=seed, preset=model)
         config = json.loads((directory / "tokenizer_config.json").read_text())
         config["chat_template"] = qwen3_chat_template
@@ -44,9 +42,9 @@ def build_config(
 ) -> AsyncGRPOConfig:
     """TRL settings; a built preset gets its own learning rate and short completions so a few
     dozen steps show learning on a CPU, a real model the RL defaults (lr 1e-6, 1024 tokens)."""
-    lr = args.lr if args.lr is not None else (_preset_lr(model) or 1e-6)
-    tiny = Path(model, "deltasync_tiny.json").exists()
-    length = args.max_completion_length or (16 if tiny else 1024)
+    preset = _preset(model)
+    lr = args.lr if args.lr is not None else (preset.lr if preset else 1e-6)
+    length = args.max_completion_length or (16 if preset else 1024)
     return AsyncGRPOConfig(
         output_dir=args.output_dir,
         max_steps=args.steps,
@@ -77,11 +75,15 @@ def build_config(
     )
 
 
-def _preset_lr(model: str) -> float | None:
-    """The learning rate of the preset a built model folder holds (None: not a built model)."""
-    from trainer.tiny_model import PRESETS
+def _preset(model: str) -> Preset | None:
+    """The preset a built model folder holds (None: not a built model)."""
+    built = _built(Path(model))
+    return PRESETS[built["preset"]] if built else None
 
-    marker = Path(model, "deltasync_tiny.json")
+
+def _built(directory: Path) -> dict:
+    """A built model folder's marker (its preset and seed), {} for any other folder."""
+    marker = directory / "deltasync_tiny.json"
     if not marker.exists():
-        return None
-    return PRESETS[json.loads(marker.read_text()).get("preset", "tiny")].lr
+        return {}
+    return {"preset": "tiny", **json.loads(marker.read_text())}  # older markers: tiny

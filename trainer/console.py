@@ -29,7 +29,8 @@ _FORMAT = "%(asctime)s %(name)s: %(message)s"
 
 
 def version_line(record: SyncRecord) -> str:
-    """`v7 step 6 reward 0.148 | delta 61.0 KB, 52x smaller, 96.2% unchanged | vllm-0 0.04 s`"""
+    """`v7 step 6 reward 0.148 | delta 61.0 KB, 53x smaller, 96.2% unchanged | paused vllm-0
+    0.04 s`"""
     head = f"v{record.version:<3d}"
     head += f" step {record.step:<3d}" if record.step is not None else " " * 9
     reward = "-" if record.reward_mean is None else f"{record.reward_mean:.3f}"
@@ -55,11 +56,11 @@ def _size(n: int) -> str:
 
 
 @contextlib.contextmanager
-def quiet_output(log_file: Path, *, verbose: bool) -> Iterator[TextIO]:
+def quiet_output(log_file: Path, *, verbose: bool) -> Iterator[None]:
     """All output (logging at INFO, prints, native libraries, child processes) into `log_file`,
     and also on the terminal when `verbose`; `console` lines on the terminal either way.
 
-    Yields the terminal stream. Leaving restores the file descriptors.
+    Leaving restores the file descriptors.
     """
     log_file.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
@@ -84,7 +85,7 @@ def quiet_output(log_file: Path, *, verbose: bool) -> Iterator[TextIO]:
     if tee is None:
         console.addHandler(shown)
     try:
-        yield terminal
+        yield
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

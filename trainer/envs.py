@@ -18,8 +18,6 @@ another OpenEnv environment".
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -27,7 +25,6 @@ __all__ = [
     "OpenEnvSession",
     "OpenEnvTextTool",
     "WordleTool",
-    "environment_factory",
 ]
 
 
@@ -139,10 +136,3 @@ class WordleTool(OpenEnvSession):
 
 # `--env` names of the trainer script (`openenv`: the server at --env-url, inspected first).
 ENVIRONMENTS: dict[str, type[OpenEnvSession]] = {"wordle": WordleTool, "openenv": OpenEnvTextTool}
-
-
-def environment_factory(kind: str, base_url: str) -> Callable[[], OpenEnvSession]:
-    """A picklable factory of `ENVIRONMENTS[kind]` sessions with the server at `base_url`."""
-    if kind not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {kind!r}; known: {', '.join(ENVIRONMENTS)}")
-    return functools.partial(ENVIRONMENTS[kind], base_url=base_url)

@@ -138,8 +138,6 @@ class MCPSession(OpenEnvSession):
     """An OpenEnv session whose tools are the server's MCP tools (`call_tool` steps over the
     session's WebSocket). The reward is the sum of the `reward` of every step's observation."""
 
-    prompt = "Use the tools until the task is done."
-
     def __init__(self, base_url: str, tools: tuple[ToolSpec, ...] = (), name: str = "") -> None:
         super().__init__(base_url)
         self._tools, self._name = tools, name

@@ -34,6 +34,7 @@ from deltasync.arguments import (
     count,
     folder,
     http_url,
+    is_loopback,
     learning_rate,
     model_ref,
     positive,
@@ -375,7 +376,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _down_after(urls: Sequence[str]) -> float:
     """A local replica that fails /health for seconds is dead; a Space restarts in minutes."""
-    local = all(urlsplit(u).hostname in ("127.0.0.1", "localhost", "::1") for u in urls)
+    local = all(is_loopback(urlsplit(u).hostname or "") for u in urls)
     return _LOCAL_DOWN_AFTER_S if local else _REMOTE_DOWN_AFTER_S
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
-import ipaddress
 import json
 import logging
 import os
@@ -30,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from ..arguments import bucket_url, model_ref, port, positive
+from ..arguments import bucket_url, is_loopback, model_ref, port, positive
 from ..errors import DeltaSyncError
 from ..manifest import read_manifest
 from ..store import open_store
@@ -177,13 +176,6 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def _wait_healthy(client: ReplicaClient, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -275,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--dev-routes", args.dev_routes),
     )
     for flag, wanted in loopback_only:
-        if wanted and not _is_loopback(args.host):
+        if wanted and not is_loopback(args.host):
             print(f"error: {flag} only with a loopback --host, not {args.host}", file=sys.stderr)
             return 2
     try:

@@ -18,6 +18,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
+from server_process import free_port
 
 from launcher.staging import stage
 
@@ -79,14 +80,6 @@ def test_context_layout(tmp_path):
     assert (context / "app.py").read_text() == (SPACE / "space_app.py").read_text()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _publish(bucket: Path, versions: int) -> None:
     import torch
 
@@ -108,7 +101,7 @@ def test_staged_space_serves_without_torch(tmp_path):
     context = stage("dashboard", tmp_path / "dashboard")
     bucket = tmp_path / "bucket"
     _publish(bucket, 3)
-    port = _free_port()
+    port = free_port()
     code = (
         "import runpy, sys\n"
         f"for name in {BLOCKED!r}:\n"

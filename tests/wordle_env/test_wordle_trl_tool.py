@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import pickle
 
-from trainer.envs import OpenEnvTextTool, WordleTool, environment_factory
+from trainer.envs import OpenEnvTextTool, WordleTool
 
 
 def _tools(cls: type) -> list[str]:
@@ -23,7 +23,7 @@ def test_only_the_game_moves_are_tools():
 
 
 def test_a_won_game_through_the_tool(server_url):
-    env = pickle.loads(pickle.dumps(environment_factory("wordle", server_url)()))
+    env = pickle.loads(pickle.dumps(WordleTool(base_url=server_url)))
     intro = env.reset(word="crane")
     assert "You are Playing Wordle" in intro
     first = env.guess("slate")
