@@ -41,7 +41,7 @@ from .snapshot import Bf16Snapshot, NamedTensors, digests_after, state_after
 from .source import ModelSource
 from .state_digest import StateDigest, total
 from .state_hash import apply_changes, state_sums
-from .store import Store
+from .store import MissingFile, Store
 
 __all__ = ["Publisher", "PublisherConfig", "SyncRecord"]
 
@@ -163,7 +163,8 @@ class Publisher:
         """Queue the next version of `source`; blocks only while the queue is full.
 
         Raises:
-            PublishError: an earlier version failed (raised once; publishing then resumes).
+            PublishError: an earlier version failed (raised once; publishing then resumes), or
+                a takeover found a file of the chain gone while it replayed the bucket.
         """
         if self._failure is not None:
             failure = self._failure
@@ -273,7 +274,14 @@ class Publisher:
         self.claim()
         manifest = self._taken_over
         if manifest is not None:
-            self._snapshot, self._sums = self._resume(manifest)
+            try:
+                self._snapshot, self._sums = self._resume(manifest)
+            except MissingFile as exc:  # retention of a newer owner, racing this takeover
+                raise PublishError(
+                    f"run {manifest.run_id}: {exc.path} vanished while this publisher replayed "
+                    "the bucket to resume it (another publisher moved the run on, or the file "
+                    "was deleted); take the run over again to continue from the bucket"
+                ) from None
             self._manifest = manifest
             log.info(
                 "resuming run %s at version %d (epoch %d)",

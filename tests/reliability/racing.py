@@ -2,7 +2,7 @@
 
 Each round both sides wait at a barrier, then take the run over (`takeover=True`) and publish one
 version of their own states; every outcome goes to the parent: the version and full-state digest
-committed, or the one-line error of the side that lost.
+committed, the one-line error of the side that lost, or any other exception (a bug).
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def race(side: int, bucket: str, rounds: int, barrier: Any, results: Any) -> Non
             record = publisher.publish(state).result(timeout=120)
         except PublishError as exc:
             results.put((round_, side, "lost", str(exc)))
+        except Exception as exc:  # reported, so the parent fails at once with the cause
+            results.put((round_, side, "crashed", repr(exc)))
+            raise
         else:
             digest = full_state_digest(state).hex()
             results.put((round_, side, "committed", (record.version, digest)))

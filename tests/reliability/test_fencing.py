@@ -116,6 +116,24 @@ def test_a_commit_lost_between_read_and_write_is_fenced(tmp_path):
     assert store.list("runs") == sorted(intruder.referenced_paths())
 
 
+def test_a_file_vanishing_during_the_takeover_replay_is_a_one_line_refusal(tmp_path):
+    """Retention of a newer owner can delete a delta while this takeover replays the chain
+    (the race below found it): `publish` refuses in one line and commits nothing."""
+    store = LocalStore(tmp_path)
+    _publish(store, [CHAIN.states[1], CHAIN.states[2], CHAIN.states[3]]).close()
+    manifest = read_manifest(store)
+    gone = manifest.deltas[-1].files[0].path
+    (tmp_path / gone).unlink()
+    taker = Publisher(store, _config(takeover=True))
+    with pytest.raises(PublishError) as info:
+        taker.publish(CHAIN.states[4])
+    message = str(info.value)
+    assert "\n" not in message and gone in message and "take the run over again" in message
+    after = read_manifest(store)  # taken over (next epoch), no version added
+    assert (after.latest_version, after.epoch) == (3, manifest.epoch + 1)
+    taker.close()
+
+
 def test_two_publisher_processes_race_for_100_rounds(tmp_path):
     """Two processes take the run over and publish every round: a version is committed once
     or not at all, the loser's error is one line, and the chain replays bitwise."""
@@ -132,6 +150,7 @@ def test_two_publisher_processes_race_for_100_rounds(tmp_path):
     try:
         for _ in range(2 * rounds):
             outcomes.append(results.get(timeout=300))
+            assert outcomes[-1][2] != "crashed", outcomes[-1]
     except queue.Empty:
         pytest.fail(f"the racing processes stopped after {len(outcomes)} outcomes")
     finally:

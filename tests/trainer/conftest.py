@@ -111,14 +111,21 @@ class ReplicaProcess:
 
 
 def _wait_groups_gone(groups: list[int], timeout_s: float = 30.0) -> None:
+    """Until no process of `groups` runs. A killed process whose parent died too stays a zombie
+    until PID 1 reaps it, which in a container may be never, so zombies count as gone."""
     deadline = time.monotonic() + timeout_s
-    for group in groups:
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(group, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
+    while time.monotonic() < deadline and _running_in(set(groups)):
+        time.sleep(0.2)
+
+
+def _running_in(groups: set[int]) -> bool:
+    """Whether a process that is not a zombie belongs to one of `groups` (from /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+            if fields[0] != "Z" and int(fields[2]) in groups:
+                return True
+    return False
 
 
 @contextlib.contextmanager

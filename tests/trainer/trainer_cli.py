@@ -67,9 +67,14 @@ def metrics(bucket: Path, run_id: str) -> list[dict]:
 
 
 def wait_until(
-    what: str, probe: Callable[[], T | None], proc: subprocess.Popen, log: Path, timeout_s: float
+    what: str,
+    probe: Callable[[], T | None],
+    proc: subprocess.Popen,
+    log: Path,
+    timeout_s: float,
+    poll_s: float = 1.0,
 ) -> T:
-    """Poll `probe` once a second until it returns something truthy; fail if the trainer exits
+    """Poll `probe` every `poll_s` until it returns something truthy; fail if the trainer exits
     or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -81,5 +86,5 @@ def wait_until(
                 f"trainer exited ({proc.returncode}) before {what}:\n"
                 + log.read_text(errors="replace")[-5000:]
             )
-        time.sleep(1.0)
+        time.sleep(poll_s)
     raise AssertionError(f"no {what} after {timeout_s:.0f}s:\n" + log.read_text()[-5000:])
