@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.takeover and (weights := BucketWeights.read(store, RUN_ID)) is not None:
         load_into(model, weights)
+        publisher.resume_from(weights.replica)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed)
     trained = False

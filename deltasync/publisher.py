@@ -149,6 +149,7 @@ class Publisher:
         self._owner = RunOwner(store, config.run_id, takeover=config.takeover)
         self._claimed = False
         self._taken_over: Manifest | None = None  # the bucket's run of our id, to resume
+        self._replayed: Replica | None = None  # a caller's replay of it (`resume_from`)
         self._sums: dict[str, StateDigest] | None = None  # per tensor, last committed version
         self._pending: list[_Job] = []
         self._failure: PublishError | None = None
@@ -269,6 +270,15 @@ class Publisher:
             raise PublishError(refusal)
         self._claimed, self._taken_over = True, found
 
+    def resume_from(self, replica: Replica) -> None:
+        """Resume a taken-over run from `replica`, which already holds a version of it synced
+        from the bucket (the trainer replays it to load its weights): only versions committed
+        since are fetched, not the whole chain a second time (a replica without the state's
+        digests replays from scratch). Call before the first `publish`."""
+        if self._worker is not None:
+            raise RuntimeError("resume_from must come before the first publish")
+        self._replayed = replica
+
     def _start(self) -> None:
         """Claim the run, resume a taken-over one from the bucket, start the worker."""
         self.claim()
@@ -302,8 +312,10 @@ class Publisher:
                 log.info("rank %d replayed its rows from its own parts", shards.rank)
                 return Bf16Snapshot(found[0]), found[1]
             log.info("rank %d replays the whole model (the run has another layout)", shards.rank)
-        replica = Replica()
-        replica.sync(self.store)
+        replica, self._replayed = self._replayed, None
+        if replica is None or replica.state_digest is None:  # none, or one that cannot vouch
+            replica = Replica()
+        replica.sync(self.store)  # from what it holds: nothing to fetch when it is current
         tensors, sums = dict(replica.tensors), dict(replica.state_sums)
         if layout is not None:
             shapes = {n: tuple(t.shape) for n, t in tensors.items()}

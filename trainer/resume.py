@@ -26,10 +26,14 @@ _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 
 class BucketWeights:
-    """The bf16 state of the bucket's latest version of a run (replayed and verified)."""
+    """The bf16 state of the bucket's latest version of a run (replayed and verified). The
+    replica holding it goes on to the publisher (`Publisher.resume_from`), so the chain is
+    downloaded once, not once for the model and again for the publisher's snapshot."""
 
-    def __init__(self, run_id: str, version: int, tensors: dict[str, torch.Tensor]):
-        self.run_id, self.version, self.tensors = run_id, version, tensors
+    def __init__(self, run_id: str, replica: Replica):
+        assert replica.version is not None
+        self.run_id, self.version, self.replica = run_id, replica.version, replica
+        self.tensors: dict[str, torch.Tensor] = dict(replica.tensors)
 
     @classmethod
     def read(cls, store: Store, run_id: str) -> BucketWeights | None:
@@ -39,8 +43,7 @@ class BucketWeights:
             return None
         replica = Replica()
         replica.sync(store)
-        assert replica.version is not None
-        return cls(run_id, replica.version, dict(replica.tensors))
+        return cls(run_id, replica)
 
     def check_checkpoint(self, checkpoint: Path) -> None:
         """Refuse, in one line, a checkpoint whose weights are not this version's."""

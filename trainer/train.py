@@ -392,6 +392,7 @@ def _continued(
         if args.resume:
             raise SystemExit(f"error: --resume: the bucket holds no run {publisher.config.run_id}")
         return None, None
+    publisher.resume_from(weights.replica)  # the chain is downloaded once
     if not args.resume:
         return weights, None
     checkpoint = latest_checkpoint(args.output_dir)

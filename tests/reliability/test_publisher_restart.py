@@ -164,3 +164,38 @@ def test_restart_with_a_new_run_id_moves_replicas_through_an_anchor(tmp_path) ->
     assert fingerprint(old) == before
     assert old.sync(store) == [1, 2]  # the new run's anchor, then its delta
     assert old.run_id == "run-2" and bitwise_equal(old.tensors, new_states[2])
+
+
+class _ReadLog(LocalStore):
+    """A folder bucket that records the chain files it hands out."""
+
+    def __init__(self, folder):
+        super().__init__(str(folder))
+        self.chain_reads: list[str] = []
+
+    def get(self, path: str, *, limit: int | None = None) -> bytes:
+        if path != MANIFEST_PATH:
+            self.chain_reads.append(path)
+        return super().get(path, limit=limit)
+
+
+@pytest.mark.parametrize("behind", [0, 1], ids=["current", "one-version-behind"])
+def test_a_takeover_resumes_from_a_caller_s_replay_without_downloading_it_again(
+    tmp_path, behind: int
+) -> None:
+    """The trainer replays the bucket to load its weights; handed that replica, the publisher
+    fetches only what was committed since (nothing when current) and continues bitwise."""
+    with Publisher(LocalStore(tmp_path), _config()) as first:
+        for version in (1, 2, 3):
+            first.publish(CHAIN.states[version]).result(timeout=30)
+    store = _ReadLog(tmp_path)
+    replayed = Replica()
+    replayed.sync(LocalStore(tmp_path), target=3 - behind)
+    with Publisher(store, _config(takeover=True)) as taker:
+        taker.resume_from(replayed)
+        assert taker.publish(RESUMED[4]).result(timeout=30).version == 4
+    [third] = [d.files[0].path for d in _manifest(store).deltas if d.version == 3]
+    assert store.chain_reads == [third][:behind]
+    cold = Replica()
+    cold.sync(LocalStore(tmp_path))
+    assert cold.version == 4 and bitwise_equal(cold.tensors, RESUMED[4])
