@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,8 +25,8 @@ from deltasync.errors import DeltaSyncError
 from deltasync.store import Store, open_store
 
 from . import charts
-from .data import BucketWatcher, WatcherConfig
-from .replicas import ReplicaPoller, parse_replica_urls
+from .data import BucketWatcher, Snapshot, WatcherConfig
+from .replicas import ReplicaPoller, ReplicaStatus, parse_replica_urls
 from .series import (
     REPLICA_COLUMNS,
     TABLE_COLUMNS,
@@ -67,6 +68,12 @@ def build_dashboard(bucket: str | Store, config: DashboardConfig | None = None) 
     watcher = BucketWatcher(store, config.watcher)
     poller = ReplicaPoller(config.replicas)
 
+    def replica_statuses(snap: Snapshot) -> list[ReplicaStatus]:
+        health = snap.health
+        if health is None:
+            return poller.statuses(None)
+        return poller.statuses(health.latest_version, max(0.0, time.time() - health.updated_at))
+
     def refresh() -> tuple[Any, ...]:
         snap = watcher.snapshot()
         versions = version_series(snap)
@@ -82,16 +89,12 @@ def build_dashboard(bucket: str | Store, config: DashboardConfig | None = None) 
         )
         if not config.replicas:
             return shown
-        return (*shown, replicas_table(poller.statuses(snap.health and snap.health.latest_version)))
+        return (*shown, replicas_table(replica_statuses(snap)))
 
     def series() -> dict[str, Any]:
         """Every series the charts show, the files, the chain's health and the replicas."""
         snap = watcher.snapshot()
-        return series_json(snap) | {
-            "replicas": [
-                r.to_json() for r in poller.statuses(snap.health and snap.health.latest_version)
-            ]
-        }
+        return series_json(snap) | {"replicas": [r.to_json() for r in replica_statuses(snap)]}
 
     with gr.Blocks(title="deltasync dashboard") as demo:
         gr.Markdown("## deltasync bucket dashboard")

@@ -6,6 +6,10 @@ version it serves (verified) and its pause, so a public dashboard Space needs no
 told which replicas to watch (`--replica URL`, or `DELTASYNC_REPLICAS`); the lag is the bucket's
 latest version minus the served one. A replica that stops answering is shown as down, with the
 time it last answered.
+
+Once the run has committed nothing for `idle_after_s` (15 min), the replicas are no longer
+polled: a request to a Space counts as activity, so an open dashboard tab would keep GPU replicas
+from sleeping after training (or wake them). Their last status stays on the page, marked.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -60,17 +64,28 @@ class _Seen:
 
 
 class ReplicaPoller:
-    """Polls every replica's `/health` in parallel, at most once per `min_poll_s`."""
+    """Polls every replica's `/health` in parallel, at most once per `min_poll_s`, and only
+    while the run is live (a commit within `idle_after_s`, or no run yet)."""
 
-    def __init__(self, urls: tuple[str, ...], *, timeout_s: float = 2.0, min_poll_s: float = 2.0):
+    def __init__(
+        self,
+        urls: tuple[str, ...],
+        *,
+        timeout_s: float = 2.0,
+        min_poll_s: float = 2.0,
+        idle_after_s: float = 900.0,
+    ):
         self.urls, self.timeout_s, self.min_poll_s = urls, timeout_s, min_poll_s
+        self.idle_after_s = idle_after_s
         self._seen = {url: _Seen() for url in urls}
         self._polled = float("-inf")
         self._pool = ThreadPoolExecutor(max(1, min(8, len(urls))), thread_name_prefix="replica")
 
-    def statuses(self, latest: int | None) -> list[ReplicaStatus]:
-        """Every replica's status; `latest` is the bucket's latest version (for the lag)."""
-        if self.urls and time.monotonic() - self._polled >= self.min_poll_s:
+    def statuses(self, latest: int | None, idle_s: float | None = None) -> list[ReplicaStatus]:
+        """Every replica's status; `latest` is the bucket's latest version (for the lag),
+        `idle_s` the seconds since its last commit (None: no run yet)."""
+        idle = idle_s is not None and idle_s >= self.idle_after_s
+        if self.urls and not idle and time.monotonic() - self._polled >= self.min_poll_s:
             self._polled = time.monotonic()
             for url, (body, error) in zip(
                 self.urls, self._pool.map(self._health, self.urls), strict=True
@@ -80,7 +95,17 @@ class ReplicaPoller:
                     seen.error = error
                 else:
                     seen.body, seen.at, seen.error = body, time.monotonic(), ""
-        return [self._status(url, self._seen[url], latest) for url in self.urls]
+        statuses = [self._status(url, self._seen[url], latest) for url in self.urls]
+        if not idle:
+            return statuses
+        why = (
+            f"not polled: the run has committed nothing for {idle_s / 60:.0f} min "
+            "(a request would keep a sleeping Space awake)"
+        )
+        return [
+            replace(s, detail=f"{why}; last seen: {s.detail}" if s.detail else why)
+            for s in statuses
+        ]
 
     def _health(self, url: str) -> tuple[dict[str, Any] | None, str]:
         try:

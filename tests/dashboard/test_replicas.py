@@ -3,6 +3,7 @@ its lag behind the bucket, its last pause, and replicas that stopped answering."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -10,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from gradio_client import Client
 
+from deltasync.manifest import MANIFEST_PATH, Manifest
 from spaces.dashboard.app import DashboardConfig, build_dashboard
 from spaces.dashboard.replicas import ReplicaPoller, parse_replica_urls
 from spaces.dashboard.serving import launch as serve
@@ -122,3 +124,36 @@ def test_series_endpoint_returns_lag_per_replica(trainer, fleet):
         ]
     finally:
         demo.close()
+
+
+def test_an_idle_run_stops_the_polling_and_says_why(fleet):
+    """A request to a Space counts as activity: once the run has committed nothing for
+    `idle_after_s`, an open dashboard must not keep GPU replicas awake (or wake them)."""
+    replica = fleet["current"]
+    poller = ReplicaPoller((replica.url,), min_poll_s=0.0, idle_after_s=900.0)
+    assert poller.statuses(latest=9, idle_s=60.0)[0].state == "ok"  # live: polled
+    for _ in range(3):
+        (status,) = poller.statuses(latest=9, idle_s=901.0)
+    assert len(replica.requests) == 1  # idle: no more requests
+    assert (status.state, status.version) == ("ok", 9)  # what it served when last seen
+    assert status.detail.startswith("not polled: the run has committed nothing for 15 min")
+    assert poller.statuses(latest=10, idle_s=5.0)[0].lag == 1  # a new commit: polled again
+    assert len(replica.requests) == 2
+
+
+def test_series_stops_polling_replicas_of_a_run_idle_for_15_minutes(trainer, fleet):
+    trainer.publish(9)
+    manifest = Manifest.from_json(trainer.store.get(MANIFEST_PATH))
+    stale = dataclasses.replace(manifest, updated_at=manifest.updated_at - 1000.0)
+    trainer.store.publish(MANIFEST_PATH, stale.to_json())  # its last commit 16 min ago
+    urls = (fleet["current"].url,)
+    demo = build_dashboard(trainer.store, DashboardConfig(refresh_s=60.0, replicas=urls))
+    port = free_port()
+    serve(demo, host="127.0.0.1", port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        series = Client(f"http://127.0.0.1:{port}/", verbose=False).predict(api_name="/series")
+    finally:
+        demo.close()
+    [row] = series["replicas"]
+    assert row["detail"].startswith("not polled: the run has committed nothing for 1")
+    assert fleet["current"].requests == []
