@@ -8,6 +8,10 @@ import os
 import signal
 import socket
 import subprocess
+import time
+from collections.abc import Iterable
+
+import psutil
 
 
 def free_port() -> int:
@@ -29,3 +33,22 @@ def stop_server(proc: subprocess.Popen, children: list[int]) -> None:
     for pid in children:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def still_running(processes: Iterable[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Those of `processes` still running after waiting up to `timeout_s` for them to end. A
+    zombie counts as ended: a killed process whose parent died too waits for PID 1 to reap it,
+    which in a container may be never."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = [p for p in processes if _running(p)]
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.1)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,6 +10,8 @@ import pytest
 import torch
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no network calls from the tests
+
+from server_process import free_port
 
 from deltasync import AnchorPolicy, Publisher, PublisherConfig, SyncRecord
 from deltasync.manifest import MANIFEST_PATH, Manifest, metrics_path
@@ -132,9 +133,3 @@ def launch() -> Iterator[Callable[..., str]]:
     yield _launch
     for demo in demos:
         demo.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -10,13 +10,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from gradio_client import Client
+from server_process import free_port
 
 from deltasync.manifest import MANIFEST_PATH, Manifest
 from spaces.dashboard.app import DashboardConfig, build_dashboard
 from spaces.dashboard.replicas import ReplicaPoller, parse_replica_urls
 from spaces.dashboard.serving import launch as serve
-
-from .conftest import free_port
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting' is deprecated"),

@@ -5,6 +5,7 @@ behind, also one that left our process group."""
 from __future__ import annotations
 
 import io
+import re
 import socket
 import sys
 import time
@@ -205,12 +206,13 @@ def test_a_live_service_whose_health_fails_fails_with_its_last_lines(
         took = time.monotonic() - started
         assert svc.proc.poll() is None  # it still runs: the failure is its health
     first, *rest = str(e.value).splitlines()
-    assert first == (
-        f"svc is unhealthy: {spec.health_url} {failure} for 1 s while main was running; "
-        "its last lines:"
-    )
+    assert re.fullmatch(  # "for 1 s" unless the machine is slow to poll
+        rf"svc is unhealthy: {re.escape(f'{spec.health_url} {failure}')} for \d+ s while "
+        "main was running; its last lines:",
+        first,
+    ), first
     assert "    serving" in rest and e.value.name == "svc"
-    assert 1.0 <= took < 5.0
+    assert 1.0 <= took < 10.0
     assert svc.proc.poll() is not None and main.proc.poll() is not None
 
 

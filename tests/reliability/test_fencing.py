@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import queue
+import time
 
 import pytest
 from racing import POLICY, race
@@ -147,12 +148,21 @@ def test_two_publisher_processes_race_for_100_rounds(tmp_path):
     for process in sides:
         process.start()
     outcomes = []
+    deadline = time.monotonic() + 600
     try:
-        for _ in range(2 * rounds):
-            outcomes.append(results.get(timeout=300))
+        while len(outcomes) < 2 * rounds:
+            try:
+                outcomes.append(results.get(timeout=1))
+            except queue.Empty:  # a side that died before its last round ends the wait at once
+                dead = [
+                    process.exitcode
+                    for side, process in enumerate(sides, start=1)
+                    if process.exitcode is not None and sum(o[1] == side for o in outcomes) < rounds
+                ]
+                if dead or time.monotonic() > deadline:
+                    pytest.fail(f"racers stopped (exit {dead}) after {len(outcomes)} outcomes")
+                continue
             assert outcomes[-1][2] != "crashed", outcomes[-1]
-    except queue.Empty:
-        pytest.fail(f"the racing processes stopped after {len(outcomes)} outcomes")
     finally:
         for process in sides:
             process.join(timeout=60)

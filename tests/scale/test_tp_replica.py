@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
-from server_process import stop_server
+from server_process import free_port, stop_server
 
 from deltasync.digest import tensor_digest
 from deltasync.manifest import read_manifest
@@ -30,16 +29,10 @@ LOGPROB_TOL = 0.15  # as tests/vllm_ext/test_server.py: bf16 kernels differ betw
 PROMPT = [11, 200, 37, 400, 5, 99]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tp_replica(sharded_run, sharded_model_dir, tmp_path_factory):
     """`serve --tensor-parallel-size 2`, not bootstrapped: the test drives every version."""
-    port, log = _free_port(), tmp_path_factory.mktemp("tp") / "server.log"
+    port, log = free_port(), tmp_path_factory.mktemp("tp") / "server.log"
     env = dict(os.environ, DELTASYNC_API_KEY=TOKEN, VLLM_CPU_OMP_THREADS_BIND="0|1")
     command = [
         sys.executable,

@@ -219,5 +219,5 @@ def test_trls_rollout_worker_retries_http_errors_but_not_the_stop_answer(fleet: 
         with pytest.raises(KeyError, match="choices"):
             asyncio.run(one_turn())
         took = time.monotonic() - started
-    assert took < 1.0 and _posts(fleet[0]) == 1  # no retry
+    assert took < 5.0 and _posts(fleet[0]) == 1  # no retry (TRL's would back off for seconds)
     assert proxy.stop_reason is not None and "HTTP 404" in proxy.stop_reason

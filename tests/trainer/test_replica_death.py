@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 from loopback_upstream import call
+from server_process import still_running
 from trainer_cli import TOKEN, metrics, train_command, trainer_process, wait_until
 
 from bench.server import free_port
@@ -119,7 +120,7 @@ def test_a_dead_engine_behind_a_live_api_server_stops_the_run(tmp_path: Path, ti
             api_server_alive = vllm.proc.poll() is None
         stopping = time.monotonic()
     stopped_s = time.monotonic() - stopping
-    _, alive = psutil.wait_procs(tree, timeout=5)
+    alive = still_running(tree, timeout_s=5)
 
     text = log.read_text(errors="replace")
     reason = re.escape(f"error: rollout replica {url} is down: /health answered 503 for ")

@@ -24,7 +24,7 @@ TOKEN = "upstream-token"
 # The stand-ins record every request: no /health probes here (they are tested on their own).
 _proxy = functools.partial(AuthProxy, dead_after_s=None)
 A, B, C = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
-COOLDOWN_S = 2.0  # longer than a dozen loopback requests take on a busy machine
+COOLDOWN_S = 5.0  # longer than a dozen loopback requests take on a busy machine
 
 
 class Clock:
@@ -306,7 +306,7 @@ def test_a_replica_that_refuses_is_skipped_then_retried(
         if time.monotonic() - started < COOLDOWN_S / 2:  # (unless the machine was very slow)
             _generate(proxy, 3)
             assert _counts(fleet)[1] == 0  # skipped, though it would answer now
-        _wait_until(lambda: bool(_generate(proxy, 3) and down.seen), timeout_s=10)
+        _wait_until(lambda: bool(_generate(proxy, 3) and down.seen), timeout_s=4 * COOLDOWN_S)
         _generate(proxy, 6)
     assert _counts(fleet)[1] >= 2
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -334,7 +334,7 @@ def test_no_eligible_replica_is_a_quick_one_line_503(fleet: list[Upstream]):
         status, body = call(proxy.url, "POST", "/v1/completions", b"{}")
         took = time.perf_counter() - started
         assert call(proxy.url, "GET", "/health")[0] == 200  # reads still answered
-    assert status == 503 and took < 1.0
+    assert status == 503 and took < 5.0  # answered at once, not after a timeout
     assert body.decode().startswith("no rollout replica can generate now (3 lagging")
     assert "\n" not in body.decode() and TOKEN not in body.decode()
     assert _counts(fleet) == [0, 0, 0]

@@ -196,7 +196,9 @@ def _train(shared: Path, model: Path, url: str, kind: str, env: str, env_url: st
     text = (shared / f"out-{kind}" / "train.log").read_text(errors="replace")  # the raw output
     records = metrics(shared / "bucket", kind)
     assert [r["version"] for r in records] == list(range(1, STEPS + 2))
-    assert all(s["ok"] and s["attempts"] == 1 for r in records for s in r["replicas"].values())
+    # a second attempt goes to the newest version when retention removed the one being staged
+    # by a replica busy with rollouts (as in test_train_e2e); every version is still verified
+    assert all(s["ok"] and s["attempts"] <= 2 for r in records for s in r["replicas"].values())
     assert any(r["reward_mean"] is not None for r in records)
     lines = (line.strip() for line in text.splitlines())  # tqdm pads TRL's logged dicts
     # Another process's log line can land right after a dict, before its newline: keep the

@@ -17,6 +17,7 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +76,19 @@ class Replica:
 
     def health(self) -> dict:
         return self.client.request("GET", "/health")
+
+    def follow_when(
+        self, ready: Callable[[dict], bool], timeout_s: float = FOLLOW_TIMEOUT_S
+    ) -> dict:
+        """The follower's state (`status()["follow"]`) once `ready(state)`; every sample checks
+        that what is served is verified. The served version changes inside a sync, before the
+        follower records the sync's outcome, so assertions on that outcome wait for it."""
+        deadline = time.monotonic() + timeout_s
+        while not ready(follow := self.client.status()["follow"]):
+            self.served()
+            assert time.monotonic() < deadline, follow
+            time.sleep(0.2)
+        return follow
 
     def served(self) -> int | None:
         """The version served now, after checking its recomputed digest is the trainer's."""
@@ -158,7 +172,7 @@ def test_a_late_follower_catches_up_and_follows_every_version(follower):
         record = follower.publish()
         assert follower.wait_serving(record.version)[-1] == record.version
         assert follower.client.weight_version() == str(record.version)
-    follow = follower.client.status()["follow"]
+    follow = follower.follow_when(lambda f: f["served_version"] == record.version)
     assert follow["status"] == "up to date" and follow["versions_behind"] == 0
     assert follow["synced"] >= 5 and follow["failures"] == 0
 
@@ -198,9 +212,10 @@ def test_a_follower_behind_pruned_deltas_replays_through_the_anchor(follower):
         follower.hold.unlink()
     seen = follower.wait_serving(record.version)
     assert seen[0] in (start, held.version) and held.version in seen  # the held sync finished
+    follow = follower.follow_when(lambda f: f["served_version"] == record.version)
+    assert follow["last_sync"]["previous_version"] == held.version
     status = follower.client.status()
     assert status["last_update"]["files"][0].startswith(f"runs/{RUN_ID}/anchors/")
-    assert status["follow"]["last_sync"]["previous_version"] == held.version
     lines = follower.log_since(mark)
     behind = f"{record.version - held.version} versions behind: replaying from the anchor"
     assert len([line for line in lines if behind in line]) == 1, lines
@@ -220,14 +235,11 @@ def test_a_bucket_outage_keeps_the_verified_version_and_following_resumes(follow
     mark = follower.log_mark()
     away = follower.bucket.with_name("bucket-away")
     follower.bucket.rename(away)
-    try:
-        deadline = time.monotonic() + 8.0
-        while time.monotonic() < deadline:
-            assert follower.served() == version
-            time.sleep(0.5)
-        follow = follower.health()["follow"]
-        assert follow["status"] == "retrying" and follow["last_error"] == "no manifest"
-        assert follow["failures"] >= 2
+    try:  # two failed polls at least (2 s, then backing off), serving its version throughout
+        follow = follower.follow_when(lambda f: f["failures"] >= 2)
+        assert follower.served() == version
+        assert follow["status"] == "retrying"
+        assert follower.health()["follow"]["last_error"] == "no manifest"  # public: the kind
     finally:
         away.rename(follower.bucket)
     record = follower.publish()
@@ -236,16 +248,15 @@ def test_a_bucket_outage_keeps_the_verified_version_and_following_resumes(follow
     saved = manifest.read_bytes()
     _replace(manifest, b"<html><body><h1>502 Bad Gateway</h1></body></html>")
     try:
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            assert follower.served() == record.version
-            time.sleep(0.5)
+        follower.follow_when(lambda f: f["failures"] >= 1)
+        assert follower.served() == record.version
         assert follower.health()["follow"]["last_error"] == "unreadable manifest"
     finally:
         _replace(manifest, saved)
     last = follower.publish()
     follower.wait_serving(last.version)
-    assert follower.health()["follow"]["failures"] == 0
+    follow = follower.follow_when(lambda f: f["served_version"] == last.version)
+    assert follow["failures"] == 0
     lines = follower.log_since(mark)
     for text in ("has no manifest", "manifest is unusable", "following again after"):
         found = [line for line in lines if text in line]

@@ -13,6 +13,7 @@ import threading
 import psutil
 import pytest
 from model_steps import AdamWLoop
+from server_process import still_running
 
 from bench.server import free_port, served
 from deltasync.policy import AnchorPolicy
@@ -72,8 +73,7 @@ def test_killed_mid_update_restarts_and_catches_up_bitwise(tmp_path):
             assert len(killer.processes) >= 3  # launcher, vLLM API server, engine core
             with pytest.raises(ReplicaError):
                 killer.sync_to(record.version, record.delta_path)
-            _, alive = psutil.wait_procs(killer.processes, timeout=30)
-            assert not alive
+            assert not still_running(killer.processes, timeout_s=30)
         assert _bucket_files(bucket) == before  # a dying replica changes nothing in the bucket
         loop.step()
         latest = publisher.publish(model).result(timeout=60)
@@ -89,7 +89,7 @@ def test_killed_mid_update_restarts_and_catches_up_bitwise(tmp_path):
             assert len(client.complete_tokens(str(tmp_path / "model"), [1, 2, 3], 4)[0]) == 4
             children = launcher.children(recursive=True)
             launcher.send_signal(signal.SIGKILL)  # only the launcher: vLLM must not outlive it
-            _, alive = psutil.wait_procs(children, timeout=60)
+            alive = still_running(children, timeout_s=60)
             assert not alive, alive
     finally:
         publisher.close()

@@ -12,7 +12,6 @@ import math
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from server_process import stop_server
+from server_process import free_port, stop_server
 
 from deltasync.digest import tensor_digest
 from deltasync.manifest import read_manifest
@@ -137,12 +136,6 @@ class Served:
     tokens: int = 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Served:
     import psutil
@@ -153,7 +146,7 @@ def served(tmp_path_factory) -> Served:
         if version > 1:
             trainer.step()
         trainer.publish()
-    port = _free_port()
+    port = free_port()
     log = root / "server.log"
     env = dict(os.environ, DELTASYNC_API_KEY=TOKEN)
     cmd = [sys.executable, "-m", "deltasync.vllm_ext.serve", "--model", str(trainer.model_dir)]
