@@ -15,8 +15,26 @@ from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
 def _serve_once(listener: socket.socket, reply: bytes) -> None:
     conn, _ = listener.accept()
     with conn:
-        conn.recv(65536)
+        _read_request(conn)  # all of it: closing on unread bytes would reset the connection
         conn.sendall(reply)  # then close: what a SIGKILLed server leaves behind
+
+
+def _read_request(conn: socket.socket) -> None:
+    """The request's head and its `Content-Length` body (urllib may send them apart)."""
+    data = b""
+    while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    while len(body) < length and (chunk := conn.recv(65536)):
+        body += chunk
 
 
 @pytest.fixture
