@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from server_process import free_port
 
 __all__ = [
     "build_vllm_qwen3",
@@ -52,6 +52,13 @@ def _restored_environ() -> Iterator[None]:
         for key, value in saved.items():
             if os.environ.get(key) != value:
                 os.environ[key] = value
+
+
+def _free_port() -> int:
+    """Its own copy: this module is also imported by subprocesses that see only this folder."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def vllm_config_for(model_dir: str | Path, dtype: str = "bfloat16"):
@@ -85,7 +92,7 @@ def ensure_vllm_runtime(vllm_config) -> None:
                 world_size=1,
                 rank=0,
                 local_rank=0,
-                distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
                 backend="gloo",
             )
             _created_groups = True
