@@ -11,9 +11,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from no_torch_site import UNIMPORTABLE, without_modules
-from server_process import free_port
+from server_process import free_port, still_running
 
 START_TIMEOUT_S = 300.0
 
@@ -78,18 +79,23 @@ class ReplicaProcess:
                         groups.append(os.getpgid(int(pid)))
         return [g for g in groups if g != self.proc.pid]
 
+    def _descendants(self) -> list[psutil.Process]:
+        with contextlib.suppress(psutil.Error):
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        return []
+
     def crash(self) -> None:
         """SIGKILL the serve process's group and vLLM's group: no shutdown code runs."""
-        groups = self._child_groups()
+        groups, tree = self._child_groups(), self._descendants()
         for group in (self.proc.pid, *groups):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
         self.proc.wait(10)
-        _wait_groups_gone(groups)
+        still_running(tree, timeout_s=30)
 
     def stop(self) -> None:
         """SIGTERM (serve stops vLLM), then SIGKILL whatever is left."""
-        groups = self._child_groups()
+        groups, tree = self._child_groups(), self._descendants()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
         try:
@@ -101,25 +107,7 @@ class ReplicaProcess:
         for group in groups:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
-        _wait_groups_gone(groups)
-
-
-def _wait_groups_gone(groups: list[int], timeout_s: float = 30.0) -> None:
-    """Until no process of `groups` runs. A killed process whose parent died too stays a zombie
-    until PID 1 reaps it, which in a container may be never, so zombies count as gone."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _running_in(set(groups)):
-        time.sleep(0.2)
-
-
-def _running_in(groups: set[int]) -> bool:
-    """Whether a process that is not a zombie belongs to one of `groups` (from /proc)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
-            if fields[0] != "Z" and int(fields[2]) in groups:
-                return True
-    return False
+        still_running(tree, timeout_s=30)
 
 
 @contextlib.contextmanager
