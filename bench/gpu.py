@@ -39,11 +39,10 @@ from deltasync.snapshot import Bf16Snapshot, digests_after
 from deltasync.state_digest import total
 from deltasync.state_hash import apply_changes, state_sums
 from deltasync.vllm_ext.device import InPlaceSink
-from deltasync.vllm_ext.layout import build_layout, slot_view
 
 from .output import save_json
 from .realistic import SHAPES, build_config
-from .vllm_standin import StandInQwen3
+from .vllm_standin import StandInQwen3, standin_layout
 
 __all__ = ["main"]
 
@@ -74,10 +73,12 @@ def _served_equals(standin: torch.nn.Module, trainer: torch.nn.Module) -> None:
     """Every served row holds the trainer's bf16 view, bit for bit (compared on the device)."""
     served = dict(standin.named_parameters(remove_duplicate=False))
     bf16 = {n: p.detach().to(torch.bfloat16) for n, p in trainer.named_parameters()}
-    layout = build_layout(standin, {n: tuple(t.shape) for n, t in bf16.items()})
-    for name, tensor in bf16.items():
-        view = slot_view(served, layout[name])
-        assert torch.equal(view.view(torch.int16), tensor.view(torch.int16)), f"served {name}"
+    layout = standin_layout(standin.config)({n: tuple(t.shape) for n, t in bf16.items()})
+    for name, placement in layout.exact().items():
+        flat = served[placement.param_name].data.view(-1)
+        run = flat[placement.offset : placement.offset + placement.box.numel]
+        want = bf16[name].reshape(-1).view(torch.int16)
+        assert torch.equal(run.view(torch.int16), want), f"served {name}"
 
 
 def run(model: str, device: torch.device, steps: int, lr: float, seed: int) -> dict:
@@ -103,7 +104,7 @@ def run(model: str, device: torch.device, steps: int, lr: float, seed: int) -> d
         Bf16Snapshot({n: t.clone() for n, t in host.tensors.items()}), device
     )
     sums = state_sums(host.tensors)
-    replica = Replica(InPlaceSink(standin))
+    replica = Replica(InPlaceSink(standin, standin_layout(config)))
     anchor = encode_anchor(host.tensors, run_id=RUN_ID, version=1, state_digest=total(sums))
     replica.apply(replica.stage(anchor))
     _served_equals(standin, trainer)

@@ -8,6 +8,7 @@ __all__ = [
     "DigestMismatch",
     "FormatError",
     "PublishError",
+    "ReloadError",
     "StoreError",
 ]
 
@@ -63,6 +64,11 @@ class DigestMismatch(DeltaSyncError):
         self.expected = expected
         self.found = found
         self.path = path
+
+
+class ReloadError(DeltaSyncError):
+    """The serving engine did not take a version's weights as they are (a module's loaders got
+    fewer elements than it loads): the previous version is restored and keeps serving."""
 
 
 class StoreError(DeltaSyncError):

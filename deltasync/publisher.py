@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .changes import Diff
+from .checkpoint_names import CheckpointNames
 from .codec import encode_anchor, encode_delta, encode_virtual_anchor
 from .codec.metadata import check_tiling, validate_run_id
 from .device_snapshot import DeviceSnapshot, detection_device
@@ -37,7 +38,7 @@ from .shards import (
     replay_rows,
     to_global,
 )
-from .snapshot import Bf16Snapshot, NamedTensors, digests_after, state_after
+from .snapshot import Bf16Snapshot, NamedTensors, digests_after, named_tensors, state_after
 from .source import ModelSource
 from .state_digest import StateDigest, total
 from .state_hash import apply_changes, state_sums
@@ -134,10 +135,22 @@ class Publisher:
     every part is durable. A version any rank failed is committed by none, and the failure is
     final for every rank (their later `publish` calls raise): the ranks' calls could no longer
     be paired version by version, so the job restarts and resumes from the bucket.
+
+    Tensors are published under their checkpoint names and shapes (`names`; traced from the
+    model when `publish` is given a module): a Mixture-of-Experts model's fused in-memory
+    experts go out as the per-expert tensors its checkpoint holds.
     """
 
-    def __init__(self, store: Store, config: PublisherConfig, *, shards: ShardGroup | None = None):
+    def __init__(
+        self,
+        store: Store,
+        config: PublisherConfig,
+        *,
+        shards: ShardGroup | None = None,
+        names: CheckpointNames | None = None,
+    ):
         self.store = store
+        self.names = names
         self.config = config
         self._group = shards
         self.shards = shards if shards is not None and shards.size > 1 else None  # parts
@@ -217,11 +230,16 @@ class Publisher:
         self.close()
 
     def _local(self, source: NamedTensors) -> NamedTensors:
-        """This rank's rows of every parameter when sharded (the layout may not change); a
-        group of one holds whole tensors, published as one file."""
+        """The checkpoint tensors (`CheckpointNames`: given, or traced from a module on its
+        first publish), and when sharded this rank's rows of each (the layout may not change);
+        a group of one holds whole tensors, published as one file."""
+        if self.names is None and isinstance(source, torch.nn.Module):
+            self.names = CheckpointNames.of(source)
         if self._group is None:
-            return source
-        local, layout = local_rows(source)
+            if self.names is None or self.names.is_identity:
+                return source
+            return self.names.apply(named_tensors(source))
+        local, layout = local_rows(source, self.names)
         if self.shards is None:
             return local
         plain = sorted(n for n, s in layout.items() if not s.sharded)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .changes import Diff, TensorChange, scatter
+from .checkpoint_names import CheckpointNames
 from .codec import ParsedFile, PartInfo, decode
 from .errors import DigestMismatch, FormatError
 from .manifest import Manifest, fetch_file
@@ -47,11 +48,15 @@ class RowShard:
         return self.start * math.prod(self.shape[1:])
 
 
-def local_rows(source: NamedTensors) -> tuple[dict[str, torch.Tensor], dict[str, RowShard]]:
-    """Each parameter's local block and where it sits in the full tensor.
+def local_rows(
+    source: NamedTensors, names: CheckpointNames | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, RowShard]]:
+    """Each checkpoint tensor's local block and where it sits in the full tensor.
 
     A `DTensor` must be sharded on dim 0 over a 1-D mesh (what `fully_shard` makes); a plain
-    tensor is all rows. Raises `FormatError` for any other placement (say which).
+    tensor is all rows. Raises `FormatError` for any other placement (say which). With `names`,
+    in-memory tensors are split into the checkpoint tensors they hold (`CheckpointNames.local`);
+    a checkpoint tensor outside this rank's rows is an empty block.
     """
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -65,8 +70,13 @@ def local_rows(source: NamedTensors) -> tuple[dict[str, torch.Tensor], dict[str,
     for name, tensor in items:
         shape = tuple(tensor.shape)
         if not isinstance(tensor, DTensor):
-            rows = shape[0] if shape else 1
-            local[name], layout[name] = tensor, RowShard(shape, 0, rows, sharded=False)
+            plain = [(name, tensor)] if names is None else names.apply([(name, tensor)])
+            for ckpt, view in plain:
+                rows = view.shape[0] if view.dim() else 1
+                local[ckpt], layout[ckpt] = (
+                    view,
+                    RowShard(tuple(view.shape), 0, rows, sharded=False),
+                )
             continue
         placements = tuple(tensor.placements)
         if placements != (Shard(0),) or not shape:
@@ -79,8 +89,16 @@ def local_rows(source: NamedTensors) -> tuple[dict[str, torch.Tensor], dict[str,
         rows, offset = compute_local_shape_and_global_offset(
             tensor.shape, tensor.device_mesh, tensor.placements
         )
-        # An empty block (torch.chunk leaves the last ranks none) starts where the rows end.
-        local[name], layout[name] = block, RowShard(shape, offset[0], offset[0] + rows[0])
+        start, stop = offset[0], offset[0] + rows[0]
+        if names is None or names.is_identity:
+            # An empty block (torch.chunk leaves the last ranks none) starts where the rows end.
+            local[name], layout[name] = block, RowShard(shape, start, stop)
+            continue
+        for ckpt, view, ckpt_shape, first, last in names.local(name, block, start, stop, shape):
+            if view is None:  # another rank's: an empty block at the end of the tensor
+                n = ckpt_shape[0] if ckpt_shape else 1
+                view, first, last = block.new_empty((0, *ckpt_shape[1:])), n, n
+            local[ckpt], layout[ckpt] = view, RowShard(tuple(ckpt_shape), first, last)
     kept = dict(named_tensors(local))  # tied aliases share their local storage too
     return kept, {n: layout[n] for n in kept}
 

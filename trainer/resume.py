@@ -15,6 +15,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from deltasync.checkpoint_names import CheckpointNames
 from deltasync.manifest import read_manifest
 from deltasync.replica import Replica
 from deltasync.snapshot import bf16_view
@@ -80,8 +81,14 @@ def latest_checkpoint(output_dir: str) -> Path:
 
 
 def load_into(model: torch.nn.Module, weights: BucketWeights) -> None:
-    """Copy the bucket's weights into the model's parameters (bf16 widens exactly)."""
-    params = dict(model.named_parameters())
+    """Copy the bucket's weights (checkpoint names) into the model's parameters (bf16 widens
+    exactly); a checkpoint tensor held inside a fused in-memory one is written through its view."""
+    params = {
+        ckpt: view
+        for ckpt, view in CheckpointNames.of(model).apply(
+            (n, p.data) for n, p in model.named_parameters()
+        )
+    }
     missing = sorted(set(weights.tensors) - set(params))
     if missing:
         raise SystemExit(

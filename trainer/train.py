@@ -40,6 +40,7 @@ from deltasync.arguments import (
     positive,
     whole,
 )
+from deltasync.checkpoint_names import CheckpointNames
 from deltasync.shards import ShardGroup
 from deltasync.source import resolve_source
 from deltasync.vllm_ext.client import ReplicaClient
@@ -329,6 +330,9 @@ def _train(args: argparse.Namespace) -> int:
     trainer = trainer_class(
         model=model, args=config, processing_class=tokenizer, weight_transfer=transfer, **task
     )
+    # TRL hands over in-memory names; the wire carries the checkpoint's (fused MoE experts
+    # go out per expert, as save_pretrained writes them)
+    publisher.names = CheckpointNames.of(trainer.accelerator.unwrap_model(trainer.model))
     if sharded:
         trainer.rank_publisher = publisher
     if weights is not None and checkpoint is None:

@@ -152,8 +152,14 @@ class BucketWeightTransfer:
         step = self.rewards.current_step() if self.rewards is not None else None
         named = _materialise(iterator)
         future = self.publisher.publish(named)
+        names = self.publisher.names
         expected = (
-            {n: tensor_digest(bf16_view(t)) for n, t in named} if self.verify_digests else None
+            {
+                n: tensor_digest(bf16_view(t))
+                for n, t in (named if names is None else names.apply(named))
+            }
+            if self.verify_digests
+            else None
         )
         cold = not self.state.synced  # rollouts begin once a replica serves a version
         # A cold sync blocks this thread, which logs the step's reward only after we return.

@@ -1,16 +1,20 @@
 """GPU apply path: a sink whose state is the served (fused) parameters themselves; no shadow.
 
-The `Replica` stages against host copies of the touched parameter rows (made one tensor at a time
-while the model serves) and verifies digests there; `commit` then writes only the changed
-elements into the parameters (O(changed)), undoing what it wrote if anything fails. Under tensor
-parallelism (`tp_rank`) each worker's sink holds its box of every tensor (`layout.tp_layout`):
-the rows of its own parameter shard that hold it.
+Each checkpoint tensor is bound to the run of parameter elements vLLM's own loader fills with it
+(`placement.Layout`: fused shards, stacked MoE experts, padded vocabularies, tied heads), in the
+loader's layout, before any post-load transform: the unquantized GPU path keeps that layout.
+The `Replica` stages against host copies of the touched tensors (made one at a time while the
+model serves) and verifies digests there; `commit` then writes only the changed elements into
+the parameters (O(changed)), undoing what it wrote if anything fails, and the digest is then
+read back from the parameters themselves. Under tensor parallelism (`tp_rank`) each worker's
+sink holds its box of every tensor (`layout.tp_layout`): the rows of its own parameter shard
+that hold it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -19,7 +23,8 @@ from ..replica import Shapes, StagedFile
 from ..slices import Boxes, box_sums
 from ..state_digest import StateDigest
 from ..state_hash import device_sum
-from .layout import TpSlot, build_layout, slot_view, tp_layout
+from .layout import TpSlot, tp_layout
+from .placement import Layout
 
 __all__ = ["InPlaceSink"]
 
@@ -48,19 +53,29 @@ class _HostCopies(Mapping[str, torch.Tensor]):
 class InPlaceSink:
     """The replica state held in the model's own parameters (vLLM on CUDA, tensor parallel 1).
 
-    Nothing is bound until the first anchor: its tensors are mapped onto parameter rows (fused
-    `qkv_proj` / `gate_up_proj` members, padded embeddings, tied heads) in `prepare`, which
-    refuses a file that does not fit before anything is written.
+    Nothing is bound until the first anchor: its tensors are mapped onto their placements in
+    `prepare`, which refuses a file that does not fit (a tensor with no exact placement, named)
+    before anything is written.
 
     Args:
         model: the vLLM model; parameters must be plain bf16 tensors (no quantization).
+        layout: the served model's layout for checkpoint tensors of given shapes
+            (`placement.LayoutOf`); unused under tensor parallelism, whose slices still come
+            from `layout.tp_layout` (dense families only).
         tp_rank: this worker's tensor-parallel rank when the model is sharded over workers.
     """
 
     keeps_tensors = False  # writes changes in place; host copies are dropped once verified
 
-    def __init__(self, model: torch.nn.Module, *, tp_rank: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layout: Callable[[Mapping[str, tuple[int, ...]]], Layout] | None,
+        *,
+        tp_rank: int | None = None,
+    ):
         self.model = model
+        self.layout = layout
         self.tp_rank = tp_rank
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._views: dict[str, torch.Tensor] = {}
@@ -150,16 +165,20 @@ class InPlaceSink:
     def _bind(self, shapes: Mapping[str, tuple[int, ...]], path: str | None) -> dict:
         if self.tp_rank is not None:
             return self._bind_slices(shapes, path)
+        assert self.layout is not None
         views = {}
-        for name, slot in build_layout(self.model, shapes).items():
-            view = slot_view(self._params, slot)
-            if view.dtype != torch.bfloat16 or not view.is_contiguous():
+        placements = self.layout(shapes).exact()
+        for name, shape in shapes.items():
+            placement = placements[name]
+            data = self._params[placement.param_name].data
+            if data.dtype != torch.bfloat16 or not data.is_contiguous():
                 raise FormatError(
-                    f"in-place updates need contiguous bf16 parameters, found {view.dtype}",
+                    f"in-place updates need contiguous bf16 parameters, found {data.dtype}",
                     tensor=name,
                     path=path,
                 )
-            views[name] = view.view(shapes[name]) if view.dim() else view
+            run = data.view(-1)[placement.offset : placement.offset + placement.box.numel]
+            views[name] = run.view(shape)
         return views
 
     def _bind_slices(self, shapes: Mapping[str, tuple[int, ...]], path: str | None) -> dict:

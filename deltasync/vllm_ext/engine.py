@@ -41,6 +41,7 @@ from ..store import Store, open_store
 from . import BACKEND
 from .device import InPlaceSink
 from .layout import tp_layout
+from .placement import LayoutOf
 from .protocol import InitInfo, UpdateInfo, parse_message
 from .shadow import ShadowSink, vllm_reloader
 from .swap import CpuGemmSwapper
@@ -88,6 +89,10 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             raise FormatError(f"deltasync supports pipeline parallel size 1; found {size}")
         self.tp_size = parallel.tensor_parallel_size
         self._boxes: dict[tuple, Boxes] = {}
+        # where vLLM's loaders put checkpoint tensors on this worker (read off a meta twin of
+        # the served model, so nothing it serves with is touched)
+        self._layout = LayoutOf(model, vllm_config)
+        self.unsupported = unsupported_serving(vllm_config)
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:
         return parse_message(InitInfo, init_dict, "init_info")
@@ -100,6 +105,8 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         followed, only `prepack` and `recompute_every` may change: a bootstrapped replica is
         never re-pointed at another bucket, nor made to skip verification or accept legacy
         files."""
+        if self.unsupported is not None:
+            return self.unsupported
         current = self.info
         if current is None:
             return None
@@ -131,20 +138,19 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         log.info("deltasync: following %s (%s)", init_info.bucket, type(self.state.sink).__name__)
 
     def _make_sink(self) -> ShadowSink | InPlaceSink:
-        packed = dict(getattr(self.model, "packed_modules_mapping", {}) or {})
         if self.device.type == "cpu":
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
             reload = vllm_reloader(self.model, self.model_config)
             if self.tp_size > 1:
-                return ShadowSink(reload, packed, slicer=self._slicer)
-            swapper = CpuGemmSwapper(self.model, packed, dispatch_cpu_unquantized_gemm)
-            return ShadowSink(reload, packed, swapper=swapper)
+                return ShadowSink(reload, self._layout, slicer=self._slicer)
+            swapper = CpuGemmSwapper(self.model, self._layout, dispatch_cpu_unquantized_gemm)
+            return ShadowSink(reload, self._layout, swapper=swapper)
         if self.tp_size == 1:
-            return InPlaceSink(self.model)
+            return InPlaceSink(self.model, self._layout)
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        return InPlaceSink(self.model, tp_rank=get_tensor_model_parallel_rank())
+        return InPlaceSink(self.model, self._layout, tp_rank=get_tensor_model_parallel_rank())
 
     def _slicer(self, shapes: Shapes) -> Boxes:
         """This worker's box of each tensor of a model of `shapes` (computed once per model)."""
@@ -424,6 +430,20 @@ def _same_bucket(a: str, b: str) -> bool:
         return url.rstrip("/")
 
     return key(a) == key(b)
+
+
+def unsupported_serving(vllm_config: Any) -> str | None:
+    """Why this server cannot take bf16 deltas (None: it can). Quantized weights are not the
+    bytes the bucket holds, and LoRA wraps the layers the loaders write."""
+    quantization = getattr(vllm_config.model_config, "quantization", None)
+    if quantization or getattr(vllm_config, "quant_config", None) is not None:
+        return (
+            f"deltasync applies bf16 weights; this server quantizes them ({quantization}: "
+            "--quantization or a quantized checkpoint); serve the model unquantized"
+        )
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return "deltasync applies full weights; this server has --enable-lora; start it without"
+    return None
 
 
 def register() -> None:

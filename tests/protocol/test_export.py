@@ -140,14 +140,17 @@ VLLM_LOAD = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from safetensors.torch import load_file
-from vllm_qwen3 import build_vllm_qwen3, release_vllm_runtime
+from vllm_qwen3 import build_vllm_model, release_vllm_runtime
 from deltasync.digest import tensor_digest
-from deltasync.vllm_ext.layout import build_layout, slot_view
-model = build_vllm_qwen3(sys.argv[2])
+from deltasync.vllm_ext.placement import LayoutOf
+model = build_vllm_model(sys.argv[2])
 shapes = {n: tuple(t.shape) for n, t in load_file(sys.argv[2] + "/model.safetensors").items()}
 served = dict(model.named_parameters(remove_duplicate=False))
-layout = build_layout(model, shapes)
-print(json.dumps({n: tensor_digest(slot_view(served, s).contiguous()) for n, s in layout.items()}))
+placed = LayoutOf(model, model.vllm_config)(shapes).exact()
+def run(p):
+    flat = served[p.param_name].data.view(-1)
+    return flat[p.offset : p.offset + p.box.numel].view(p.box.local_shape)
+print(json.dumps({n: tensor_digest(run(p).contiguous()) for n, p in placed.items()}))
 release_vllm_runtime()
 """
 

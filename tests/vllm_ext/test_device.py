@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.vllm_standin import PACKED, SENTINEL, StandInQwen3
+from bench.vllm_standin import SENTINEL, StandInQwen3, standin_layout
 from deltasync.digest import tensor_digest
 from deltasync.errors import DigestMismatch, FormatError
 from deltasync.policy import AnchorPolicy
@@ -20,7 +20,6 @@ from deltasync.replica import Replica
 from deltasync.snapshot import Bf16Snapshot
 from deltasync.store import open_store
 from deltasync.vllm_ext.device import InPlaceSink
-from deltasync.vllm_ext.layout import build_layout, module_groups, served_name
 from trainer.tiny_model import tiny_qwen3_config
 
 
@@ -79,65 +78,51 @@ def _apply(replica: Replica, store, path: str) -> bool:
     return replica.apply(replica.stage(store.get(path), path=path))
 
 
-def test_served_names_and_groups():
-    assert served_name("model.layers.3.self_attn.k_proj.weight", PACKED) == (
-        "model.layers.3.self_attn.qkv_proj.weight",
-        1,
-    )
-    assert served_name("model.layers.0.mlp.up_proj.bias", PACKED) == (
-        "model.layers.0.mlp.gate_up_proj.bias",
-        1,
-    )
-    assert served_name("model.embed_tokens.weight", PACKED) == ("model.embed_tokens.weight", None)
-    names = [f"model.layers.0.self_attn.{m}_proj.{p}" for m in "qkvo" for p in ("weight", "bias")]
-    groups = module_groups(names, PACKED)
-    assert groups["model.layers.0.self_attn.qkv_proj"] == [n for n in names if ".o_proj." not in n]
-    assert groups["model.layers.0.self_attn.o_proj"] == names[-2:]
-
-
-def test_layout_offsets_for_fused_shards():
+def test_layout_read_off_the_loader_places_fused_shards():
     config = tiny_qwen3_config(300)
-    standin = StandInQwen3(config)
     shapes = {
         n: tuple(t.shape) for n, t in _trainer().state_dict().items() if n != "lm_head.weight"
     }
-    layout = build_layout(standin, shapes)
-    q, kv, inter = 64, 32, 128
-    k = layout["model.layers.1.self_attn.k_proj.weight"]
-    v = layout["model.layers.1.self_attn.v_proj.weight"]
-    up = layout["model.layers.0.mlp.up_proj.weight"]
-    assert (k.param_name, k.shard, k.row_offset, k.rows) == (
+    layout = standin_layout(config)(shapes)
+    placements = layout.exact()
+    q, kv, inter, h = 64, 32, 128, 64
+    k = placements["model.layers.1.self_attn.k_proj.weight"]
+    v = placements["model.layers.1.self_attn.v_proj.weight"]
+    up = placements["model.layers.0.mlp.up_proj.weight"]
+    assert (k.param_name, k.offset, k.box.is_whole) == (
         "model.layers.1.self_attn.qkv_proj.weight",
-        1,
-        q,
-        kv,
+        q * h,
+        True,
     )
-    assert (v.row_offset, v.rows) == (q + kv, kv)
-    assert (up.param_name, up.row_offset, up.rows) == (
-        "model.layers.0.mlp.gate_up_proj.weight",
-        inter,
-        inter,
+    assert v.offset == (q + kv) * h
+    assert (up.param_name, up.offset) == ("model.layers.0.mlp.gate_up_proj.weight", inter * h)
+    embed = placements["model.embed_tokens.weight"]
+    assert (embed.param_name, embed.offset, embed.box.shape) == (
+        "model.embed_tokens.weight",
+        0,
+        (300, h),
     )
-    embed = layout["model.embed_tokens.weight"]
-    assert (embed.row_offset, embed.rows) == (0, 300)
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    assert layout.groups[qkv] == [f"model.layers.0.self_attn.{m}_proj.weight" for m in "qkv"]
+    assert layout.param_shapes[f"{qkv}.weight"] == (q + 2 * kv, h)
 
 
-def test_layout_refuses_what_does_not_fit():
-    standin = StandInQwen3(tiny_qwen3_config(300))
-    with pytest.raises(FormatError, match="no parameter"):
-        build_layout(standin, {"model.layers.0.mlp.w3.weight": (4, 4)})
-    with pytest.raises(FormatError, match="does not fit"):
-        build_layout(standin, {"model.layers.0.self_attn.k_proj.weight": (64, 64)})
-    with pytest.raises(FormatError, match="does not fit"):
-        build_layout(standin, {"model.embed_tokens.weight": (400, 64)})
-    standin.model.layers[0].self_attn.qkv_proj.output_sizes = [32, 16, 16]  # a TP=2 shard
-    with pytest.raises(FormatError, match="tensor parallel size 1"):
-        build_layout(standin, {"model.layers.0.self_attn.q_proj.weight": (32, 64)})
+def test_layout_refuses_what_does_not_fit_naming_the_tensor():
+    layout = standin_layout(tiny_qwen3_config(300))
+    cases = {
+        "model.layers.0.mlp.w3.weight": ((4, 4), "refuses it: KeyError"),
+        "model.layers.0.self_attn.k_proj.weight": ((64, 64), "does not fit"),
+        "model.embed_tokens.weight": ((400, 64), "does not fit"),
+    }
+    for name, (shape, why) in cases.items():
+        with pytest.raises(FormatError, match=why) as info:
+            layout({name: shape}).exact()
+        assert name in str(info.value)
 
 
 def test_delta_writes_only_the_changed_elements(bucket, monkeypatch):
     trainer, standin = _trainer(), StandInQwen3(tiny_qwen3_config(300))
-    replica = Replica(InPlaceSink(standin))
+    replica = Replica(InPlaceSink(standin, standin_layout(standin.config)))
     with _publisher(bucket) as publisher:
         anchor = publisher.publish(trainer).result(timeout=60)
         _apply(replica, bucket, anchor.anchor_path)
@@ -163,7 +148,7 @@ def test_delta_writes_only_the_changed_elements(bucket, monkeypatch):
 
 def test_stage_changes_nothing_and_checks_digests(bucket):
     trainer, standin = _trainer(), StandInQwen3(tiny_qwen3_config(300))
-    replica = Replica(InPlaceSink(standin))
+    replica = Replica(InPlaceSink(standin, standin_layout(standin.config)))
     with _publisher(bucket) as publisher:
         _apply(replica, bucket, publisher.publish(trainer).result(timeout=60).anchor_path)
         _step(trainer, 1e-2, 1)
@@ -188,7 +173,7 @@ def test_stage_changes_nothing_and_checks_digests(bucket):
 def test_failed_commit_undoes_the_deltas_already_written(bucket, monkeypatch):
     """The pause fails inside the third of three deltas: the two written are undone."""
     trainer, standin = _trainer(), StandInQwen3(tiny_qwen3_config(300))
-    replica = Replica(InPlaceSink(standin))
+    replica = Replica(InPlaceSink(standin, standin_layout(standin.config)))
     paths = []
     with _publisher(bucket, interval=100) as publisher:
         for version in range(1, 5):
@@ -225,7 +210,7 @@ def test_first_anchor_that_does_not_fit_the_model_is_refused(bucket):
     config.intermediate_size = 256
     standin = StandInQwen3(config)
     before = {n: p.detach().clone() for n, p in standin.named_parameters()}
-    replica = Replica(InPlaceSink(standin))
+    replica = Replica(InPlaceSink(standin, standin_layout(standin.config)))
     with _publisher(bucket) as publisher:
         anchor = publisher.publish(trainer).result(timeout=60).anchor_path
     with pytest.raises(FormatError, match="does not fit"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.vllm_standin import standin_layout
 from deltasync.errors import DigestMismatch
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
@@ -13,8 +14,6 @@ from deltasync.snapshot import Bf16Snapshot
 from deltasync.store import open_store
 from deltasync.vllm_ext.shadow import ShadowSink
 from trainer.tiny_model import tiny_qwen3_config
-
-PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
 class FakeModel:
@@ -26,7 +25,7 @@ class FakeModel:
         self.fail = False
 
     def reload(self, weights, modules):
-        self.calls.append(([n for n, _ in weights], modules))
+        self.calls.append(([n for n, _ in weights], sorted(modules)))
         for name, tensor in weights:
             self.loaded[name] = tensor.clone()
         if self.fail:
@@ -44,7 +43,8 @@ def setup(tmp_path):
     policy = AnchorPolicy(interval=100, max_delta_fraction=None)
     publisher = Publisher(store, PublisherConfig("run-s", policy=policy))
     fake = FakeModel()
-    yield trainer, store, publisher, fake, Replica(ShadowSink(fake.reload, PACKED))
+    layout = standin_layout(trainer.config)
+    yield trainer, store, publisher, fake, Replica(ShadowSink(fake.reload, layout))
     publisher.close()
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_steps import AdamWLoop, trl_v1_write
-from vllm_qwen3 import build_vllm_qwen3, release_vllm_runtime, vllm_context
+from vllm_qwen3 import build_vllm_model, release_vllm_runtime, vllm_context
 
 from deltasync.changes import Diff
 from deltasync.codec import ParsedFile, decode, encode_anchor, encode_delta
@@ -31,6 +31,7 @@ from deltasync.state_digest import StateDigest
 from deltasync.state_hash import full_state_digest
 from deltasync.store import open_store
 from deltasync.vllm_ext.device import InPlaceSink
+from deltasync.vllm_ext.placement import LayoutOf
 from deltasync.vllm_ext.shadow import ShadowSink, vllm_reloader
 from deltasync.vllm_ext.swap import CpuGemmSwapper
 from trainer.tiny_model import build_tiny_qwen3, tiny_qwen3_config
@@ -180,7 +181,7 @@ def _dict_replica(chain: Chain):
 
 
 def _in_place_replica(chain: Chain):
-    model = build_vllm_qwen3(chain.model_dir)
+    model = build_vllm_model(chain.model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
     embed = params["model.embed_tokens.weight"]
     padding = embed[chain.vocab :].clone()
@@ -191,16 +192,16 @@ def _in_place_replica(chain: Chain):
         head = params["lm_head.weight"]
         assert (head is embed) == ("lm_head.weight" not in chain.digests[1])
 
-    return Replica(InPlaceSink(model)), served_checks
+    return Replica(InPlaceSink(model, LayoutOf(model, model.vllm_config))), served_checks
 
 
 def _shadow_replica(chain: Chain):
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    model = build_vllm_qwen3(chain.model_dir, packed=True)
-    packed = dict(model.packed_modules_mapping)
-    swapper = CpuGemmSwapper(model, packed, dispatch_cpu_unquantized_gemm)
-    sink = ShadowSink(vllm_reloader(model, model.vllm_config.model_config), packed, swapper=swapper)
+    model = build_vllm_model(chain.model_dir, packed=True)
+    layout = LayoutOf(model, model.vllm_config)
+    swapper = CpuGemmSwapper(model, layout, dispatch_cpu_unquantized_gemm)
+    sink = ShadowSink(vllm_reloader(model, model.vllm_config.model_config), layout, swapper=swapper)
 
     def served_checks() -> None:
         if sink.shadow:  # the served (packed) model computes exactly what the shadow holds

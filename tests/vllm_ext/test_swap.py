@@ -14,6 +14,8 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm as dispatch
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
+from deltasync.slices import Box
+from deltasync.vllm_ext.placement import Layout, Placement
 from deltasync.vllm_ext.swap import CpuGemmSwapper
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -28,6 +30,32 @@ SHAPES = {
     "model.layers.0.mlp.up_proj.weight": (96, HIDDEN),
 }
 GEMMS = ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj", "lm_head")
+FUSED = {"self_attn.qkv_proj": "qkv", "mlp.gate_up_proj": ("gate", "up")}
+
+
+def layout(shapes) -> Layout:
+    """vLLM's Qwen3 layout of SHAPES, as `placement.derive_layout` reads it off the loaders:
+    fused members stacked in q, k, v and gate, up order, the embedding padded to PADDED rows."""
+    out = Layout()
+    for fused, members in FUSED.items():
+        param = f"model.layers.0.{fused}.weight"
+        offset = 0
+        for member in members:
+            name = f"model.layers.0.{fused.split('.')[0]}.{member}_proj.weight"
+            out.placements[name] = Placement(
+                name, param, param.rpartition(".")[0], Box.whole(shapes[name]), offset
+            )
+            offset += shapes[name][0] * HIDDEN
+        out.param_shapes[param] = (offset // HIDDEN, HIDDEN)
+    for name in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"):
+        out.placements[name] = Placement(
+            name, name, name.rpartition(".")[0], Box.whole(shapes[name]), 0
+        )
+    out.param_shapes["model.embed_tokens.weight"] = (PADDED, HIDDEN)
+    out.param_shapes["model.layers.0.input_layernorm.weight"] = (HIDDEN,)
+    for name, placement in out.placements.items():
+        out.groups.setdefault(placement.module_name, []).append(name)
+    return out
 
 
 def checkpoint(seed: int) -> dict[str, torch.Tensor]:
@@ -96,13 +124,13 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 def test_self_check_passes_for_what_the_loader_built(gemm_path):
     tensors = checkpoint(0)
-    assert CpuGemmSwapper(load(tensors), PACKED, dispatch).self_check(tensors) == []
+    assert CpuGemmSwapper(load(tensors), layout, dispatch).self_check(tensors) == []
 
 
 def test_swap_equals_a_reload_and_prepare_changes_nothing(gemm_path):
     old, new = checkpoint(0), checkpoint(1)
     model = load(old)
-    swapper = CpuGemmSwapper(model, PACKED, dispatch)
+    swapper = CpuGemmSwapper(model, layout, dispatch)
     before = outputs(model)
     prepared = swapper.prepare(new, set(new))
     assert set(prepared.modules) == {
@@ -130,7 +158,7 @@ def test_only_touched_modules_are_prepared_and_partners_kept(gemm_path):
     name = "model.layers.0.self_attn.k_proj.weight"
     new = {**old, name: old[name] * 2}
     model = load(old)
-    swapper = CpuGemmSwapper(model, PACKED, dispatch)
+    swapper = CpuGemmSwapper(model, layout, dispatch)
     prepared = swapper.prepare(new, {name})
     assert list(prepared.modules) == ["model.layers.0.self_attn.qkv_proj"]
     swapper.swap(prepared)
@@ -148,7 +176,7 @@ def test_self_check_catches_a_loader_that_lays_out_or_transforms_differently(
     kwargs, module, problem, gemm_path
 ):
     tensors = checkpoint(0)
-    problems = CpuGemmSwapper(load(tensors, **kwargs), PACKED, dispatch).self_check(tensors)
+    problems = CpuGemmSwapper(load(tensors, **kwargs), layout, dispatch).self_check(tensors)
     assert any(problem in p for p in problems), problems
     assert all(module in p for p in problems), problems
     # An unpacked GEMM keeps `.weight`, so its differing values are a second problem.

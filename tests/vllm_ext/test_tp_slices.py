@@ -156,7 +156,7 @@ def test_tp2_in_place_workers_hold_their_shards_bitwise(tmp_path):
     trainer = _trainer()
     config = tiny_qwen3_config(VOCAB)
     standins = [TpStandInQwen3(config, rank, 2) for rank in (0, 1)]
-    replicas = [Replica(InPlaceSink(s, tp_rank=r)) for r, s in enumerate(standins)]
+    replicas = [Replica(InPlaceSink(s, None, tp_rank=r)) for r, s in enumerate(standins)]
     policy = AnchorPolicy(interval=3, max_delta_fraction=None)
     publisher = Publisher(store, PublisherConfig("run-tp", policy=policy))
     for version in range(1, 6):

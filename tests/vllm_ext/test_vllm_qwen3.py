@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 from gemm_paths import dispatch_empties_weights
-from vllm_qwen3 import build_vllm_qwen3, checkpoint_tensors, release_vllm_runtime
+from vllm_qwen3 import build_vllm_model, checkpoint_tensors, release_vllm_runtime
 
-from deltasync.vllm_ext.layout import build_layout, slot_view
+from deltasync.vllm_ext.placement import LayoutOf
 from trainer.tiny_model import build_tiny_qwen3, tiny_qwen3_config
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -39,7 +39,7 @@ def built(tmp_path_factory):
         directory = tmp_path_factory.mktemp(case)
         build_tiny_qwen3(directory, seed=1, vocab_size=vocab, tie=tie)
         start = time.perf_counter()
-        model = build_vllm_qwen3(directory)
+        model = build_vllm_model(directory)
         out[case] = (directory, checkpoint_tensors(directory), model, time.perf_counter() - start)
     yield out
     release_vllm_runtime()
@@ -102,27 +102,20 @@ def test_embedding_is_padded_to_64_rows_and_the_head_tied_or_not(built, case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_layout_maps_every_checkpoint_tensor_onto_its_bits(built, case):
+def test_layout_read_off_the_loaders_maps_every_checkpoint_tensor_onto_its_bits(built, case):
     _, ckpt, model, _ = built[case]
-    layout = build_layout(model, {name: tuple(t.shape) for name, t in ckpt.items()})
-    assert set(layout) == set(ckpt)
+    layout = LayoutOf(model, model.vllm_config)({n: tuple(t.shape) for n, t in ckpt.items()})
+    placements = layout.exact()
+    assert set(placements) == set(ckpt)
     served = params(model)
-    for name, slot in layout.items():
-        assert same(slot_view(served, slot), ckpt[name]), name
-    k = layout["model.layers.1.self_attn.k_proj.weight"]
-    assert (k.param_name, k.shard, k.row_offset, k.rows) == (
-        "model.layers.1.self_attn.qkv_proj.weight",
-        1,
-        64,
-        32,
-    )
-    up = layout["model.layers.0.mlp.up_proj.weight"]
-    assert (up.param_name, up.shard, up.row_offset, up.rows) == (
-        "model.layers.0.mlp.gate_up_proj.weight",
-        1,
-        128,
-        128,
-    )
+    for name, placement in placements.items():
+        flat = served[placement.param_name].data.view(-1)
+        run = flat[placement.offset : placement.offset + placement.box.numel]
+        assert same(run.view(ckpt[name].shape), ckpt[name]), name
+    k = placements["model.layers.1.self_attn.k_proj.weight"]
+    assert (k.param_name, k.offset) == ("model.layers.1.self_attn.qkv_proj.weight", 64 * 64)
+    up = placements["model.layers.0.mlp.up_proj.weight"]
+    assert (up.param_name, up.offset) == ("model.layers.0.mlp.gate_up_proj.weight", 128 * 64)
 
 
 def test_load_weights_rewrites_a_fused_group_in_place(built):
@@ -147,7 +140,7 @@ def test_packed_variant_is_what_a_vllm_cpu_server_holds(built, case, gemm_path):
 
     directory, ckpt, plain, _ = built[case]
     env = dict(os.environ)
-    model = build_vllm_qwen3(directory, packed=True)
+    model = build_vllm_model(directory, packed=True)
     assert dict(os.environ) == env  # vLLM's CPU platform writes LD_PRELOAD etc.; restored
     served = params(model)
     qkv = served["model.layers.0.self_attn.qkv_proj.weight"]
@@ -160,5 +153,7 @@ def test_packed_variant_is_what_a_vllm_cpu_server_holds(built, case, gemm_path):
     out, _ = model.model.layers[0].self_attn.qkv_proj(x)
     expected = torch.nn.functional.linear(x, plain.model.layers[0].self_attn.qkv_proj.weight)
     assert same(out, expected)
-    swapper = CpuGemmSwapper(model, model.packed_modules_mapping, dispatch_cpu_unquantized_gemm)
+    swapper = CpuGemmSwapper(
+        model, LayoutOf(model, model.vllm_config), dispatch_cpu_unquantized_gemm
+    )
     assert swapper.self_check(ckpt) == []

