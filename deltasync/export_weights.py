@@ -15,6 +15,7 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
 from . import MissingExtra
+from .checkpoint_names import CheckpointNames
 from .errors import DigestMismatch
 from .export import ExportError, ModelFiles
 from .manifest import ChainEntry, Manifest, fetch_entry
@@ -54,8 +55,9 @@ def replay(
 
 
 def check_fits(tensors: dict[str, torch.Tensor], files: ModelFiles) -> None:
-    """The parameters `AutoModelForCausalLM` builds from the config (on the meta device: no
-    memory) must be exactly these names and shapes; else the config is another model's."""
+    """The checkpoint tensors of the model `AutoModelForCausalLM` builds from the config (on
+    the meta device: no memory) must be exactly these names and shapes; else the config is
+    another model's."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as exc:
@@ -72,7 +74,8 @@ def check_fits(tensors: dict[str, torch.Tensor], files: ModelFiles) -> None:
         raise ExportError(
             f"cannot build a causal LM from the config of {files.name}: {line}"
         ) from None
-    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    held = CheckpointNames.of(model).apply(model.named_parameters())  # the checkpoint's names
+    expected = {n: tuple(t.shape) for n, t in held}
     found = {n: tuple(t.shape) for n, t in tensors.items()}
     if expected == found:
         return

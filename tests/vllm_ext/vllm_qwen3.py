@@ -81,7 +81,8 @@ def vllm_config_for(model_dir: str | Path, dtype: str = "bfloat16"):
 
 
 def ensure_vllm_runtime(vllm_config) -> None:
-    """Create the single-process gloo group and vLLM's TP = PP = 1 groups once (idempotent)."""
+    """Create the single-process gloo group and vLLM's TP = PP = 1 groups once (idempotent),
+    and the expert-parallel group of one when a MoE model needs it."""
     global _created_groups
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
@@ -99,6 +100,10 @@ def ensure_vllm_runtime(vllm_config) -> None:
         elif ps._WORLD is None:
             ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
         ps.ensure_model_parallel_initialized(1, 1)
+        if vllm_config.model_config.is_moe and ps._EP is None:  # groups made for a dense model
+            ps._EP = ps.init_model_parallel_group(
+                [[0]], ps.get_world_group().local_rank, "gloo", group_name="ep"
+            )
 
 
 def release_vllm_runtime() -> None:
