@@ -25,6 +25,7 @@ import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -230,7 +231,7 @@ def _merged(name: str, pieces: list[Placement]) -> Placement:
         return pieces[0]
     pieces = sorted(pieces, key=lambda p: p.box.rows)
     first, box = pieces[0], pieces[0].box
-    for before, after in zip(pieces, pieces[1:], strict=False):
+    for before, after in pairwise(pieces):
         if (
             after.param_name != first.param_name
             or before.box.cols is not None
