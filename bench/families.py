@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FAMILIES", "build_family", "family_config"]
+__all__ = ["FAMILIES", "VOCAB", "build_family", "family_config"]
 
 VOCAB = 300
 _COMMON = {

