@@ -2,11 +2,11 @@
 
 For every family of `bench.families` a trainer publishes a virtual first anchor (the checkpoint
 folder), three deltas (one touching every tensor, one only the experts or MLP, one optimizer
-step) and a full anchor. A replica (`python -m deltasync.vllm_ext.serve`) follows from the start
-and is driven through its sync route; a second one (driven too) cold-starts from the bucket after the third
-delta. After every version, each replica's prompt logprobs on a fixed prompt must be identical
-(bitwise floats) to those of a new vLLM engine loaded from `deltasync export` of that version
-(`ReferenceEngine`: one worker, a fresh engine per version).
+step) and a full anchor. A replica (`python -m deltasync.vllm_ext.serve`) follows from the
+start, driven through its sync route; a second one (driven too) cold-starts from the bucket
+after the third delta. After every version, each replica's prompt logprobs on a fixed prompt
+must be identical (bitwise floats) to those of a new vLLM engine loaded from `deltasync export`
+of that version (`ReferenceEngine`: one worker, a fresh engine per version).
 """
 
 from __future__ import annotations
