@@ -1,5 +1,5 @@
 """`python -m deltasync`: demo, inspect a file, verify a bucket's chain, materialise a checkpoint,
-export a version as a model repository, remove garbage.
+export a version as a model repository, check a replica against a fresh load, remove garbage.
 
 Examples:
     python -m deltasync demo --bucket ./bucket --steps 30
@@ -9,6 +9,7 @@ Examples:
     python -m deltasync export ./bucket --version 40 --out ./model-40
     python -m deltasync export hf://buckets/me/rl --to me/qwen3-grpo --model Qwen/Qwen3-0.6B
     python -m deltasync gc ./bucket --delete
+    python -m deltasync check ./bucket --replica http://127.0.0.1:8001
 
 User mistakes end in one line (`deltasync: error: ...`, exit status 1; `--debug` shows the
 traceback); argument errors are argparse's (exit status 2).
@@ -26,7 +27,7 @@ import fsspec
 from tqdm import tqdm
 
 from . import MissingExtra, import_tensor_side
-from .arguments import count, learning_rate
+from .arguments import count, http_url, learning_rate
 from .codec import ENCODINGS, read_metadata
 from .errors import DeltaSyncError, FormatError, StoreError
 from .garbage import find_unreferenced
@@ -217,6 +218,23 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    import os
+
+    try:
+        from .vllm_ext import check
+    except ImportError as exc:
+        raise MissingExtra(f"check loads a reference in vLLM (deltasync[local]): {exc}") from None
+    store = _existing_bucket(args.bucket)
+    if args.replica:
+        token = os.environ.get("DELTASYNC_API_KEY")
+        lines = check.check_replica(store, args.replica, token, model=args.model)
+    else:
+        lines = check.check_folder(store, args.folder, version=args.version, model=args.model)
+    print("\n".join(lines))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     import logging
 
@@ -301,6 +319,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_replay)
     _add_export(sub)
+    p = sub.add_parser(
+        "check",
+        help="check a live replica (or a model folder) against a fresh load of the bucket's "
+        "version",
+        description="--replica: export the version the replica serves, load it into a new vLLM "
+        "engine, and compare both engines' logprobs of a fixed prompt (identical, or the check "
+        "fails). Works for any model family. The replica's token is read from "
+        "DELTASYNC_API_KEY. --folder: compare a model folder's tensors with the version's, "
+        "bit for bit.",
+    )
+    p.add_argument("bucket", help="folder, hf://buckets/NS/NAME, s3://..., memory://...")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--replica", type=http_url, metavar="URL", help="a running replica")
+    what.add_argument("--folder", metavar="DIR", help="a model folder (safetensors)")
+    p.add_argument(
+        "--version", type=count, default=None, help="--folder: version (default: latest)"
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hub id or folder with the config and tokenizer (default: the run's virtual anchor)",
+    )
+    p.set_defaults(run=_check)
     p = sub.add_parser(
         "gc",
         help="list anchors, deltas and parts no manifest names (failed, fenced or replaced "

@@ -111,3 +111,33 @@ def test_every_replica_serves_what_a_fresh_load_serves(family, reference, tmp_pa
                     f"{len(differ)} of {len(want)} tokens, by up to "
                     f"{max(abs(served[i] - want[i]) for i in differ):.4f}"
                 )
+
+
+def _check(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "deltasync", "check", *args]
+    env = dict(os.environ, DELTASYNC_API_KEY=TOKEN)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_check_command_proves_a_replica_and_a_folder(tmp_path):
+    """The user's own proof, for any family: `python -m deltasync check`."""
+    checkpoint = tmp_path / "checkpoint"
+    trainer = build_family("mixtral", checkpoint)
+    bucket = str(tmp_path / "bucket")
+    store = open_store(bucket)
+    config = PublisherConfig("check", source=ModelSource("folder", str(checkpoint.resolve())))
+    with Publisher(store, config) as publisher, torch.no_grad():
+        publisher.publish(trainer).result(timeout=120)
+        CHANGES[3](trainer, 2)  # scale the experts
+        publisher.publish(trainer).result(timeout=120)
+    with replica(checkpoint, bucket, tmp_path / "replica.log") as client:
+        assert client.weight_version() == "2"
+        done = _check(bucket, "--replica", client.base_url)
+    assert done.returncode == 0, done.stderr
+    assert "serves version 2 exactly as a fresh vLLM load of it" in done.stdout
+    export(store, version=2, out=str(tmp_path / "v2"))
+    assert _check(bucket, "--folder", str(tmp_path / "v2")).returncode == 0
+    older = _check(bucket, "--folder", str(checkpoint))  # version 1's bytes, not version 2's
+    assert older.returncode == 1
+    assert "differs from the bucket's version in" in older.stderr
+    assert "experts" in older.stderr and len(older.stderr.strip().splitlines()) == 1
