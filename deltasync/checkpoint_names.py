@@ -99,8 +99,9 @@ class CheckpointNames:
     def local(self, name: str, tensor: torch.Tensor, start: int, stop: int, shape: tuple[int, ...]):
         """The checkpoint tensors of rows `[start, stop)` of in-memory `name` (full `shape`) that
         a trainer rank holds as `tensor`: `[(ckpt name, local view, ckpt shape, first row,
-        last row)]`. A checkpoint tensor must lie wholly inside or outside the rows, or begin
-        and end on its own row boundaries there.
+        last row)]`. A checkpoint tensor must lie wholly inside or outside the rows; one
+        outside has no view and an empty row range at its start (the rows are a later rank's)
+        or end (an earlier rank's), so the ranks' ranges tile it in rank order.
 
         Raises:
             FormatError: the rows cut a checkpoint tensor elsewhere.
@@ -113,8 +114,9 @@ class CheckpointNames:
         out = []
         for view in views:
             first, last = view.flat_range()
-            if last <= lo or first >= hi:
-                out.append((view.name, None, view.shape, 0, 0))
+            if last <= lo or first >= hi:  # another rank's: empty, where the ranks' rows meet
+                at = (view.shape[0] if view.shape else 1) if last <= lo else 0
+                out.append((view.name, None, view.shape, at, at))
                 continue
             if first >= lo and last <= hi:
                 local = tensor.as_strided(

@@ -95,9 +95,8 @@ def local_rows(
             local[name], layout[name] = block, RowShard(shape, start, stop)
             continue
         for ckpt, view, ckpt_shape, first, last in names.local(name, block, start, stop, shape):
-            if view is None:  # another rank's: an empty block at the end of the tensor
-                n = ckpt_shape[0] if ckpt_shape else 1
-                view, first, last = block.new_empty((0, *ckpt_shape[1:])), n, n
+            if view is None:  # another rank's: an empty block where the ranks' rows meet
+                view = block.new_empty((0, *ckpt_shape[1:]))
             local[ckpt], layout[ckpt] = view, RowShard(tuple(ckpt_shape), first, last)
     kept = dict(named_tensors(local))  # tied aliases share their local storage too
     return kept, {n: layout[n] for n in kept}

@@ -2,6 +2,9 @@
 
     torchrun --nproc_per_node 2 tests/scale/fsdp_train.py --bucket DIR --steps 10 --expected OUT
 
+`--family NAME` trains one of `bench.families` instead (e.g. qwen3-moe: each rank holds half the
+experts of every fused expert tensor and publishes the per-expert checkpoint tensors in them).
+
 Each rank wraps a Qwen3-shaped model in `fully_shard` (gloo), takes AdamW steps on random tokens
 and calls `Publisher.publish(model)` with a `ShardGroup`: it diffs only its rows and uploads its
 part. With `--expected`, the ranks also all-gather every parameter after each publish and rank 0
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from deltasync import Publisher, PublisherConfig
+from deltasync.checkpoint_names import CheckpointNames
 from deltasync.errors import PublishError
 from deltasync.policy import AnchorPolicy
 from deltasync.replica import Replica
@@ -65,9 +69,10 @@ class FaultyStore(LocalStore):
         super().put(path, data)
 
 
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter gathered (a collective on every rank), as bf16 on the CPU."""
-    return {n: bf16_view(p.full_tensor()).clone() for n, p in model.named_parameters()}
+def full_state(model: torch.nn.Module, names: CheckpointNames) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor gathered (a collective on every rank), as bf16 on the CPU."""
+    gathered = [(n, bf16_view(p.full_tensor())) for n, p in model.named_parameters()]
+    return {n: t.clone() for n, t in names.apply(gathered)}
 
 
 def main() -> None:
@@ -78,6 +83,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--vocab", type=int, default=509)
     parser.add_argument("--intermediate", type=int, default=130)
+    parser.add_argument("--family", help="a model of bench.families instead of the Qwen3 shape")
     parser.add_argument("--anchor-interval", type=int, default=4)
     parser.add_argument("--keep-anchors", type=int, default=8)
     parser.add_argument("--unsharded-root", action="store_true", help="fully_shard layers only")
@@ -93,7 +99,16 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = qwen3_shaped(args.vocab, args.intermediate, seed=0)
+    if args.family:
+        from transformers import AutoModelForCausalLM
+
+        from bench.families import family_config
+
+        args.vocab = family_config(args.family).vocab_size
+        model = AutoModelForCausalLM.from_config(family_config(args.family)).float()
+    else:
+        model = qwen3_shaped(args.vocab, args.intermediate, seed=0)
+    names = CheckpointNames.of(model)
     if args.resume:  # a restarted trainer starts from the weights the bucket holds
         replica = Replica()
         replica.sync(LocalStore(args.bucket))
@@ -143,7 +158,7 @@ def main() -> None:
                 }
             )
             if args.expected:
-                state = full_state(model)
+                state = full_state(model, names)
                 if rank == 0:
                     out = Path(args.expected) / f"{record.version:08d}.safetensors"
                     out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ import safetensors.torch
 import torch
 from fsdp_runs import torchrun
 
+from deltasync.codec import ParsedFile
 from deltasync.manifest import read_manifest
 from deltasync.replica import Replica
 from deltasync.store import LocalStore
@@ -138,3 +139,45 @@ def test_retention_deletes_every_part_it_drops(tmp_path):
     stored = {str(p.relative_to(bucket)) for p in bucket.rglob("*.safetensors")}
     assert stored == manifest.referenced_paths()
     assert [a.version for a in manifest.anchors] == [5]
+
+
+def test_moe_ranks_publish_checkpoint_tensors_that_vllm_replays(tmp_path):
+    """Qwen3-MoE under FSDP2: each rank holds half of every fused expert tensor and publishes
+    the per-expert checkpoint tensors inside it. A one-process replica replays every version
+    bit for bit, and vLLM's own MoE model following the bucket holds what a fresh load of each
+    exported version holds."""
+    sys.path.insert(0, str(ROOT / "tests" / "vllm_ext"))
+    from test_family_sinks import assert_served_equal
+    from vllm_qwen3 import build_vllm_model
+
+    from bench.families import build_family
+    from deltasync.export import export
+    from deltasync.vllm_ext.device import InPlaceSink
+    from deltasync.vllm_ext.placement import LayoutOf
+
+    bucket, expected = tmp_path / "bucket", tmp_path / "exp"
+    torchrun(
+        "--family",
+        "qwen3-moe",
+        "--bucket",
+        str(bucket),
+        "--steps",
+        "5",
+        "--expected",
+        str(expected),
+    )
+    assert_replays_bitwise(bucket, expected, range(1, 7))
+    store = LocalStore(str(bucket))
+    first = read_manifest(store).anchors[0]
+    rows = [ParsedFile.parse((bucket / p.path).read_bytes()).meta.part.rows for p in first.parts]
+    expert = "model.layers.0.mlp.experts.{}.gate_proj.weight"
+    assert rows[0][expert.format(0)] == (0, 32) and rows[1][expert.format(0)] == (32, 32)
+    assert rows[0][expert.format(7)] == (0, 0) and rows[1][expert.format(7)] == (0, 32)
+    model_dir = tmp_path / "model"  # config and tokenizer (the weights come from the bucket)
+    build_family("qwen3-moe", model_dir)
+    model = build_vllm_model(model_dir)
+    replica = Replica(InPlaceSink(model, LayoutOf(model, model.vllm_config)))
+    for version in range(1, 7):
+        replica.sync(store, target=version)
+        export(store, version=version, model=str(model_dir), out=str(tmp_path / f"v{version}"))
+        assert_served_equal(model, build_vllm_model(tmp_path / f"v{version}"), f"v{version}")
