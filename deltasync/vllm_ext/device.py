@@ -7,8 +7,8 @@ The `Replica` stages against host copies of the touched tensors (made one at a t
 model serves) and verifies digests there; `commit` then writes only the changed elements into
 the parameters (O(changed)), undoing what it wrote if anything fails, and the digest is then
 read back from the parameters themselves. Under tensor parallelism (`tp_rank`) each worker's
-sink holds its box of every tensor (`layout.tp_layout`): the rows of its own parameter shard
-that hold it.
+sink holds its box of every tensor (rows or columns, as its loader narrows them) in its own
+parameter shard.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from ..replica import Shapes, StagedFile
 from ..slices import Boxes, box_sums
 from ..state_digest import StateDigest
 from ..state_hash import device_sum
-from .layout import TpSlot, tp_layout
 from .placement import Layout
 
 __all__ = ["InPlaceSink"]
@@ -60,8 +59,7 @@ class InPlaceSink:
     Args:
         model: the vLLM model; parameters must be plain bf16 tensors (no quantization).
         layout: the served model's layout for checkpoint tensors of given shapes
-            (`placement.LayoutOf`); unused under tensor parallelism, whose slices still come
-            from `layout.tp_layout` (dense families only).
+            (`placement.LayoutOf`; under tensor parallelism this worker's boxes, with owners).
         tp_rank: this worker's tensor-parallel rank when the model is sharded over workers.
     """
 
@@ -70,7 +68,7 @@ class InPlaceSink:
     def __init__(
         self,
         model: torch.nn.Module,
-        layout: Callable[[Mapping[str, tuple[int, ...]]], Layout] | None,
+        layout: Callable[[Mapping[str, tuple[int, ...]]], Layout],
         *,
         tp_rank: int | None = None,
     ):
@@ -80,11 +78,10 @@ class InPlaceSink:
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._views: dict[str, torch.Tensor] = {}
         self._boxes: Boxes | None = None
-        self._layouts: dict[tuple, dict[str, TpSlot]] = {}
 
     @property
     def views(self) -> Mapping[str, torch.Tensor]:
-        """HF name -> the parameter rows holding it (shares storage with the model)."""
+        """HF name -> the parameter elements holding it (shares storage with the model)."""
         return self._views
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -95,15 +92,7 @@ class InPlaceSink:
     def boxes(self, shapes: Shapes) -> Boxes | None:
         if self.tp_rank is None:
             return None
-        return {n: slot.box for n, slot in self._tp_layout(shapes).items()}
-
-    def _tp_layout(self, shapes: Shapes) -> dict[str, TpSlot]:
-        assert self.tp_rank is not None
-        key = tuple(sorted(shapes.items()))
-        if key not in self._layouts:
-            packed = getattr(self.model, "packed_modules_mapping", {}) or {}
-            self._layouts[key] = tp_layout(self.model, shapes, packed, self.tp_rank)
-        return self._layouts[key]
+        return {n: p.box for n, p in self.layout(shapes).exact().items()}
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return _HostCopies(self._views)
@@ -163,12 +152,11 @@ class InPlaceSink:
         self._views, self._boxes = views, boxes
 
     def _bind(self, shapes: Mapping[str, tuple[int, ...]], path: str | None) -> dict:
-        if self.tp_rank is not None:
-            return self._bind_slices(shapes, path)
-        assert self.layout is not None
+        """Each tensor's box (all of it at tensor parallel size 1) as the contiguous run of
+        parameter elements vLLM's loader fills with it."""
         views = {}
         placements = self.layout(shapes).exact()
-        for name, shape in shapes.items():
+        for name in shapes:
             placement = placements[name]
             data = self._params[placement.param_name].data
             if data.dtype != torch.bfloat16 or not data.is_contiguous():
@@ -177,31 +165,9 @@ class InPlaceSink:
                     tensor=name,
                     path=path,
                 )
-            run = data.view(-1)[placement.offset : placement.offset + placement.box.numel]
-            views[name] = run.view(shape)
-        return views
-
-    def _bind_slices(self, shapes: Mapping[str, tuple[int, ...]], path: str | None) -> dict:
-        """Each tensor's box as rows of this worker's parameter shard."""
-        views = {}
-        for name, slot in self._tp_layout(dict(shapes)).items():
-            data, box = self._params[slot.param_name].data, slot.box
-            if data.dim():
-                data = data[slot.row_offset : slot.row_offset + box.rows[1] - box.rows[0]]
-            if data.dtype != torch.bfloat16 or not data.is_contiguous():
-                raise FormatError(
-                    f"in-place updates need contiguous bf16 parameters, found {data.dtype}",
-                    tensor=name,
-                    path=path,
-                )
-            if data.numel() != box.numel:
-                raise FormatError(
-                    f"this worker's slice {box.local_shape} does not fit {tuple(data.shape)} "
-                    f"of {slot.param_name}",
-                    tensor=name,
-                    path=path,
-                )
-            views[name] = data.view(box.local_shape)
+            box = placement.box
+            run = data.view(-1)[placement.offset : placement.offset + box.numel]
+            views[name] = run.view(box.local_shape)
         return views
 
 

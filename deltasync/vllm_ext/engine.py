@@ -11,7 +11,7 @@ of one version, driven by the sync route (`control.ControlPlane.sync`, in the AP
 A replica further behind (or empty, at bootstrap) replays the bucket's chain up to `version`.
 
 Under tensor parallelism every worker runs this engine on its own slice of each tensor
-(`layout.tp_layout`): it stages alone, then in `update_weights` the workers exchange their
+(its boxes read off its own loaders, `placement.LayoutOf`): it stages alone, then in `update_weights` the workers exchange their
 shares of each version's full-state digest over vLLM's TP CPU group, and each applies only once
 the shares add up to the digest the version promises (and the slices tile every tensor).
 """
@@ -40,7 +40,6 @@ from ..state_digest import StateDigest, total
 from ..store import Store, open_store
 from . import BACKEND
 from .device import InPlaceSink
-from .layout import tp_layout
 from .placement import LayoutOf
 from .protocol import InitInfo, UpdateInfo, parse_message
 from .shadow import ShadowSink, vllm_reloader
@@ -88,10 +87,9 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             size = parallel.pipeline_parallel_size
             raise FormatError(f"deltasync supports pipeline parallel size 1; found {size}")
         self.tp_size = parallel.tensor_parallel_size
-        self._boxes: dict[tuple, Boxes] = {}
         # where vLLM's loaders put checkpoint tensors on this worker (read off a meta twin of
         # the served model, so nothing it serves with is touched)
-        self._layout = LayoutOf(model, vllm_config)
+        self._layout = LayoutOf(model, vllm_config, tp=_tp_position(self.tp_size))
         self.unsupported = unsupported_serving(vllm_config)
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:
@@ -146,22 +144,12 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 return ShadowSink(reload, self._layout, slicer=self._slicer)
             swapper = CpuGemmSwapper(self.model, self._layout, dispatch_cpu_unquantized_gemm)
             return ShadowSink(reload, self._layout, swapper=swapper)
-        if self.tp_size == 1:
-            return InPlaceSink(self.model, self._layout)
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        return InPlaceSink(self.model, self._layout, tp_rank=get_tensor_model_parallel_rank())
+        rank = None if self.tp_size == 1 else self._layout.tp[0]
+        return InPlaceSink(self.model, self._layout, tp_rank=rank)
 
     def _slicer(self, shapes: Shapes) -> Boxes:
-        """This worker's box of each tensor of a model of `shapes` (computed once per model)."""
-        key = tuple(sorted(shapes.items()))
-        if key not in self._boxes:
-            from vllm.distributed import get_tensor_model_parallel_rank
-
-            packed = dict(getattr(self.model, "packed_modules_mapping", {}) or {})
-            layout = tp_layout(self.model, shapes, packed, get_tensor_model_parallel_rank())
-            self._boxes[key] = {n: slot.box for n, slot in layout.items()}
-        return self._boxes[key]
+        """This worker's box of each tensor of a model of `shapes` (read off its loaders)."""
+        return {n: p.box for n, p in self._layout(shapes).exact().items()}
 
     # -- staging (while serving) ----------------------------------------------------------------
 
@@ -430,6 +418,15 @@ def _same_bucket(a: str, b: str) -> bool:
         return url.rstrip("/")
 
     return key(a) == key(b)
+
+
+def _tp_position(size: int) -> tuple[int, int]:
+    """This worker's tensor-parallel (rank, size)."""
+    if size == 1:
+        return 0, 1
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), size
 
 
 def unsupported_serving(vllm_config: Any) -> str | None:

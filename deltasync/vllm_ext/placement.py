@@ -24,7 +24,7 @@ import copy
 import math
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
@@ -35,7 +35,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import FormatError
 from ..slices import Box
 
-__all__ = ["Layout", "LayoutOf", "Placement", "derive_layout", "meta_twin", "record_writes"]
+__all__ = [
+    "Layout",
+    "LayoutOf",
+    "Placement",
+    "derive_layout",
+    "meta_twin",
+    "record_writes",
+    "with_owners",
+]
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -302,12 +310,38 @@ def _box(
     return Box(shape, rows)
 
 
+def with_owners(layout: Layout, model: torch.nn.Module, rank: int, size: int) -> Layout:
+    """Mark which worker of `size` counts each element in the full-state digest (`Box.owner`).
+
+    A box every worker holds whole (norms, a router) is owned by rank 0; a slice by the worker
+    holding it, except the key/value heads of a fused q/k/v layer replicated over workers
+    (`num_kv_head_replicas`, when TP exceeds the KV heads), owned by the first of each group.
+    The engine checks that the owned boxes tile every tensor exactly once (`check_cover`).
+    """
+    if size == 1:
+        return layout
+    placements = {}
+    for name, p in layout.placements.items():
+        if p.box.is_whole:
+            owner = rank == 0
+        else:
+            replicas = getattr(model.get_submodule(p.module_name), "num_kv_head_replicas", 1)
+            owner = replicas == 1 or p.offset == 0 or rank % replicas == 0  # q sits first
+        placements[name] = replace(p, box=replace(p.box, owner=owner))
+    return replace(layout, placements=placements)
+
+
 class LayoutOf:
     """`derive_layout` for one served model: the twin built once, each set of shapes derived
-    once (a worker sees one model shape; a new one replaces it). Thread-safe."""
+    once (a worker sees one model shape; a new one replaces it). Thread-safe.
 
-    def __init__(self, model: torch.nn.Module, vllm_config: Any):
-        self.model, self.vllm_config = model, vllm_config
+    `tp`: this worker's tensor-parallel rank and size (boxes then say which worker owns what).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, vllm_config: Any, *, tp: tuple[int, int] = (0, 1)
+    ):
+        self.model, self.vllm_config, self.tp = model, vllm_config, tp
         self._twin: torch.nn.Module | None = None
         self._cached: tuple[tuple, Layout] | None = None
         self._lock = threading.Lock()
@@ -318,5 +352,6 @@ class LayoutOf:
             if self._cached is None or self._cached[0] != key:
                 if self._twin is None:
                     self._twin = meta_twin(self.model, self.vllm_config)
-                self._cached = (key, derive_layout(self.model, None, shapes, twin=self._twin))
+                layout = derive_layout(self.model, None, shapes, twin=self._twin)
+                self._cached = (key, with_owners(layout, self.model, *self.tp))
             return self._cached[1]

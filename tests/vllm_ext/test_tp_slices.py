@@ -21,10 +21,9 @@ from deltasync.state_digest import total
 from deltasync.state_hash import full_state_digest
 from deltasync.store import open_store
 from deltasync.vllm_ext.device import InPlaceSink
-from deltasync.vllm_ext.layout import tp_layout
+from deltasync.vllm_ext.placement import layout_from_writes, record_writes, with_owners
 from trainer.tiny_model import tiny_qwen3_config
 
-PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 SENTINEL = -7.0
 VOCAB = 300  # padded to 320 by vLLM: rank 0 holds rows 0..160, rank 1 rows 160..300 + padding
 
@@ -50,8 +49,6 @@ def _norm(rows: int) -> nn.Module:
 
 class TpStandInQwen3(nn.Module):
     """Rank `rank` of `size` of vLLM's TP-sharded Qwen3 parameters (weights set to SENTINEL)."""
-
-    packed_modules_mapping = PACKED
 
     def __init__(self, config, rank: int, size: int):
         super().__init__()
@@ -107,6 +104,55 @@ class TpStandInQwen3(nn.Module):
         self.model.norm = _norm(h)
         self.lm_head = nn.Module()
         self.lm_head.weight = self.model.embed_tokens.weight  # tied
+        self.config, self.rank, self.size = config, rank, size
+
+    def load_weights(self, weights) -> None:
+        """vLLM's TP loaders, as narrow-then-copy: q/k/v and gate/up rows of this rank into the
+        fused shard, o/down columns, the vocabulary rows of `shard_indices`, norms whole."""
+        params = dict(self.named_parameters())
+        for name, loaded in weights:
+            parts = name.split(".")
+            member = parts[-2].removesuffix("_proj")
+            if member in ("q", "k", "v", "gate", "up"):
+                fused = "qkv_proj" if member in "qkv" else "gate_up_proj"
+                module = self.get_submodule(".".join([*parts[:-2], fused]))
+                param, shard = module.weight, ["q", "k", "v", "gate", "up"].index(member) % 3
+                if fused == "qkv_proj":
+                    hd = module.head_size
+                    sizes = [
+                        module.num_heads * hd,
+                        module.num_kv_heads * hd,
+                        module.num_kv_heads * hd,
+                    ]
+                    first = self.rank if shard == 0 else self.rank // module.num_kv_head_replicas
+                else:
+                    sizes, first = [s // self.size for s in module.output_sizes], self.rank
+                source = loaded.narrow(0, first * sizes[shard], sizes[shard])
+                param.data.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(source)
+                continue
+            param = params[name]
+            module = self.get_submodule(name.rpartition(".")[0])
+            if hasattr(module, "input_is_parallel"):
+                width = module.input_size_per_partition
+                param.data.copy_(loaded.narrow(1, self.rank * width, width))
+            elif hasattr(module, "shard_indices"):
+                start = module.shard_indices.org_vocab_start_index
+                stop = module.shard_indices.org_vocab_end_index
+                param.data[: stop - start].copy_(loaded.narrow(0, start, stop - start))
+            else:
+                param.data.copy_(loaded)
+
+
+def _layout_of(standin: TpStandInQwen3):
+    """The engine's layout for a stand-in worker: read off a meta twin's loaders, owners set."""
+    with torch.device("meta"):
+        twin = TpStandInQwen3(standin.config, standin.rank, standin.size)
+
+    def layout(shapes):
+        derived = layout_from_writes(*record_writes(twin, shapes), shapes)
+        return with_owners(derived, standin, standin.rank, standin.size)
+
+    return layout
 
 
 def _trainer(seed: int = 0):
@@ -138,13 +184,12 @@ def _sync(replicas: list[Replica], store) -> list[int]:
 def _assert_shards(standins, trainer) -> None:
     bf16 = Bf16Snapshot.capture(trainer).tensors
     for rank, standin in enumerate(standins):
-        layout = tp_layout(standin, {n: tuple(t.shape) for n, t in bf16.items()}, PACKED, rank)
+        layout = _layout_of(standin)({n: tuple(t.shape) for n, t in bf16.items()}).exact()
         params = dict(standin.named_parameters(remove_duplicate=False))
-        for name, slot in layout.items():
-            data = params[slot.param_name].data
-            rows = slot.box.rows[1] - slot.box.rows[0]
-            held = data[slot.row_offset : slot.row_offset + rows] if data.dim() else data
-            expected = slot.box.take(bf16[name])
+        for name, placement in layout.items():
+            flat = params[placement.param_name].data.view(-1)
+            held = flat[placement.offset : placement.offset + placement.box.numel]
+            expected = placement.box.take(bf16[name]).reshape(-1)
             assert torch.equal(held.view(torch.int16), expected.view(torch.int16)), (rank, name)
         embed = standin.model.embed_tokens.weight
         real = layout["model.embed_tokens.weight"].box
@@ -156,7 +201,7 @@ def test_tp2_in_place_workers_hold_their_shards_bitwise(tmp_path):
     trainer = _trainer()
     config = tiny_qwen3_config(VOCAB)
     standins = [TpStandInQwen3(config, rank, 2) for rank in (0, 1)]
-    replicas = [Replica(InPlaceSink(s, None, tp_rank=r)) for r, s in enumerate(standins)]
+    replicas = [Replica(InPlaceSink(s, _layout_of(s), tp_rank=r)) for r, s in enumerate(standins)]
     policy = AnchorPolicy(interval=3, max_delta_fraction=None)
     publisher = Publisher(store, PublisherConfig("run-tp", policy=policy))
     for version in range(1, 6):
@@ -177,9 +222,13 @@ def test_tp2_in_place_workers_hold_their_shards_bitwise(tmp_path):
     assert replicas[1].sink.boxes(shapes)[o].cols == (32, 64)
 
 
-def test_a_checkpoint_that_does_not_split_is_refused():
-    standin = TpStandInQwen3(tiny_qwen3_config(VOCAB), 0, 2)
-    with pytest.raises(FormatError, match="splits"):
-        tp_layout(standin, {"model.layers.0.mlp.gate_proj.weight": (100, 64)}, PACKED, 0)
-    with pytest.raises(FormatError, match="no parameter"):
-        tp_layout(standin, {"model.layers.0.mlp.w3.weight": (4, 4)}, PACKED, 0)
+def test_a_checkpoint_that_does_not_split_is_refused_naming_it():
+    """Gate rows 100 where the model splits 128 over two workers: the second worker's slice
+    runs past the tensor (the first one's fits; the engine's exchange then fails both)."""
+    layout = _layout_of(TpStandInQwen3(tiny_qwen3_config(VOCAB), 1, 2))
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    with pytest.raises(FormatError, match="refuses it") as info:
+        layout({gate: (100, 64)}).exact()
+    assert gate in str(info.value)
+    with pytest.raises(FormatError, match="refuses it"):
+        layout({"model.layers.0.mlp.w3.weight": (4, 4)}).exact()
