@@ -10,10 +10,11 @@ of one version, driven by the sync route (`control.ControlPlane.sync`, in the AP
 
 A replica further behind (or empty, at bootstrap) replays the bucket's chain up to `version`.
 
-Under tensor parallelism every worker runs this engine on its own slice of each tensor
-(its boxes read off its own loaders, `placement.LayoutOf`): it stages alone, then in `update_weights` the workers exchange their
-shares of each version's full-state digest over vLLM's TP CPU group, and each applies only once
-the shares add up to the digest the version promises (and the slices tile every tensor).
+Under tensor parallelism every worker runs this engine on its own slice of each tensor (its
+boxes read off its own loaders, `placement.LayoutOf`): it stages alone, then in
+`update_weights` the workers exchange their shares of each version's full-state digest over
+vLLM's TP CPU group, and each applies only once the shares add up to the digest the version
+promises (and the slices tile every tensor).
 """
 
 from __future__ import annotations
