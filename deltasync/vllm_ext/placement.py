@@ -338,9 +338,7 @@ class LayoutOf:
     `tp`: this worker's tensor-parallel rank and size (boxes then say which worker owns what).
     """
 
-    def __init__(
-        self, model: torch.nn.Module, vllm_config: Any, *, tp: tuple[int, int] = (0, 1)
-    ):
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, *, tp: tuple[int, int] = (0, 1)):
         self.model, self.vllm_config, self.tp = model, vllm_config, tp
         self._twin: torch.nn.Module | None = None
         self._cached: tuple[tuple, Layout] | None = None
