@@ -432,7 +432,8 @@ def _tp_position(size: int) -> tuple[int, int]:
 
 def unsupported_serving(vllm_config: Any) -> str | None:
     """Why this server cannot take bf16 deltas (None: it can). Quantized weights are not the
-    bytes the bucket holds, and LoRA wraps the layers the loaders write."""
+    bytes the bucket holds, LoRA wraps the layers the loaders write, and an expert-parallel
+    worker's loaders skip the experts another worker holds."""
     quantization = getattr(vllm_config.model_config, "quantization", None)
     if quantization or getattr(vllm_config, "quant_config", None) is not None:
         return (
@@ -441,6 +442,15 @@ def unsupported_serving(vllm_config: Any) -> str | None:
         )
     if getattr(vllm_config, "lora_config", None) is not None:
         return "deltasync applies full weights; this server has --enable-lora; start it without"
+    parallel = vllm_config.parallel_config
+    experts = parallel.tensor_parallel_size * parallel.data_parallel_size
+    if parallel.enable_expert_parallel and experts > 1:
+        return (
+            "deltasync does not place experts split over workers yet; this server has "
+            "--enable-expert-parallel over "
+            f"{experts} workers: serve with --tensor-parallel-size alone (experts are then "
+            "sliced, which it places)"
+        )
     return None
 
 

@@ -32,8 +32,8 @@ PROMPT = [11, 200, 37, 400, 5, 99]
 
 @contextlib.contextmanager
 def tp_server(model_dir, bucket, log, *extra: str):
-    """`serve --tensor-parallel-size 2 --no-bootstrap`: it serves `model_dir` as vLLM loads it
-    until a test drives it."""
+    """`serve --tensor-parallel-size 2 --no-bootstrap` (and `extra` vLLM arguments): it serves
+    `model_dir` as vLLM loads it until a test drives it."""
     port = free_port()
     env = dict(os.environ, DELTASYNC_API_KEY=TOKEN, VLLM_CPU_OMP_THREADS_BIND="0|1")
     command = [
@@ -55,6 +55,7 @@ def tp_server(model_dir, bucket, log, *extra: str):
         "--max-num-seqs",
         "4",
         "--disable-log-stats",
+        *extra,
     ]
     with log.open("wb") as out:
         proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)

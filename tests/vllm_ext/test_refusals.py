@@ -1,5 +1,6 @@
-"""Servers whose weights are not the bucket's bf16 bytes are refused when the transfer engine
-initialises, before any traffic: quantized serving and LoRA, each in one line naming the flag.
+"""Servers whose weights are not the bucket's bf16 bytes (or not where the layouts place them)
+are refused when the transfer engine initialises, before any traffic: quantized serving, LoRA
+and expert parallelism over several workers, each in one line naming the flag.
 
 The configs are vLLM's own (`VllmConfig` with `quantization="fp8"`, with a `LoRAConfig`); the
 engine is the one a worker builds from them.
@@ -16,16 +17,19 @@ from deltasync.errors import FormatError
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("llama")
-    build_family("llama", directory)
-    return directory
+def model_dirs(tmp_path_factory):
+    dirs = {}
+    for family in ("llama", "qwen3-moe"):
+        dirs[family] = tmp_path_factory.mktemp(family)
+        build_family(family, dirs[family])
+    return dirs
 
 
 def _config(model_dir, **kwargs):
-    from vllm.config import DeviceConfig, LoRAConfig, ModelConfig, VllmConfig
+    from vllm.config import DeviceConfig, LoRAConfig, ModelConfig, ParallelConfig, VllmConfig
 
     lora = kwargs.pop("lora", False)
+    parallel = kwargs.pop("parallel", {})
     with _restored_environ():
         model = ModelConfig(
             model=str(model_dir),
@@ -39,6 +43,7 @@ def _config(model_dir, **kwargs):
             model_config=model,
             device_config=DeviceConfig("cpu"),
             lora_config=LoRAConfig() if lora else None,
+            parallel_config=ParallelConfig(**parallel),
         )
 
 
@@ -46,12 +51,12 @@ def _config(model_dir, **kwargs):
     ("kwargs", "flag"),
     [({"quantization": "fp8"}, "--quantization"), ({"lora": True}, "--enable-lora")],
 )
-def test_init_refuses_in_one_line_naming_the_flag(model_dir, tmp_path, kwargs, flag):
+def test_init_refuses_in_one_line_naming_the_flag(model_dirs, tmp_path, kwargs, flag):
     from vllm.config import WeightTransferConfig
 
     from deltasync.vllm_ext.engine import DeltaSyncEngine
 
-    config = _config(model_dir, **kwargs)
+    config = _config(model_dirs["llama"], **kwargs)
     engine = DeltaSyncEngine(
         WeightTransferConfig(backend="deltasync"),
         config,
@@ -66,7 +71,18 @@ def test_init_refuses_in_one_line_naming_the_flag(model_dir, tmp_path, kwargs, f
     assert engine.store is None and engine.state is None  # nothing was set up
 
 
-def test_plain_bf16_serving_is_accepted(model_dir, tmp_path):
+def test_expert_parallelism_over_workers_is_refused_naming_the_flag(model_dirs):
+    """The same line a TP-2 worker's engine gives at init (its own test needs a TP group)."""
     from deltasync.vllm_ext.engine import unsupported_serving
 
-    assert unsupported_serving(_config(model_dir)) is None
+    ep = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+    refusal = unsupported_serving(_config(model_dirs["qwen3-moe"], parallel=ep))
+    assert refusal is not None and "--enable-expert-parallel" in refusal and "\n" not in refusal
+
+
+def test_plain_bf16_serving_is_accepted(model_dirs):
+    from deltasync.vllm_ext.engine import unsupported_serving
+
+    assert unsupported_serving(_config(model_dirs["llama"])) is None
+    tp2 = {"tensor_parallel_size": 2}
+    assert unsupported_serving(_config(model_dirs["qwen3-moe"], parallel=tp2)) is None
