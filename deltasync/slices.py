@@ -8,7 +8,8 @@ indices (`localize`), and its share of the full-state digest is summed at the el
 indices, so the workers' shares add up to the version's digest. Elements held by several
 workers (replicated norms, KV heads replicated when TP exceeds their count) count once: only the
 box marked `owner` adds them. Pure torch and numpy: the boxes come from the serving engine
-(`vllm_ext.layout.tp_boxes`), everything else here is tested without one.
+(`vllm_ext.placement`, read off each worker's loaders), everything else here is tested
+without one.
 """
 
 from __future__ import annotations
