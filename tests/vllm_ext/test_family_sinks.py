@@ -204,3 +204,20 @@ def test_a_wrong_mapping_fails_the_comparison(family, pair, tmp_path):
     export(store, version=1, model=str(checkpoint), out=str(tmp_path / "v1"))
     with pytest.raises(AssertionError, match="served differs from a fresh load"):
         assert_served_equal(model, build_vllm_model(tmp_path / "v1"), family)
+
+
+def test_a_reload_missing_elements_fails_instead_of_serving_them(tmp_path):
+    """Two of q/k/v reloaded (a grouping bug): vLLM would fill v with whatever memory held; the
+    reloader raises, and the sink then reloads the previous version (`test_shadow.py`)."""
+    from vllm_qwen3 import checkpoint_tensors
+
+    from deltasync.errors import ReloadError
+
+    build_family("llama", tmp_path)
+    model = build_vllm_model(tmp_path, packed=True)
+    tensors = checkpoint_tensors(tmp_path)
+    layout = LayoutOf(model, model.vllm_config)({n: tuple(t.shape) for n, t in tensors.items()})
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    partial = {qkv: [(n, tensors[n]) for n in layout.groups[qkv][:2]]}
+    with pytest.raises(ReloadError, match=f"did not receive every element of.*{qkv}"):
+        vllm_reloader(model, model.vllm_config)(partial, {qkv: layout.loaded_numel()[qkv]})
