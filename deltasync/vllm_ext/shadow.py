@@ -7,10 +7,11 @@ every file) builds the next shadow copy-on-write and, with a swapper (`swap.CpuG
 packs the touched linear modules for the new values. `commit` (the pause) then swaps the new
 tensors into the shadow and the prepared modules into the model. Without a swapper, before its
 self-check passed, or when a touched module is not a plain linear, embedding or norm (a MoE
-layer), `commit` reloads the touched modules through vLLM's own layerwise reload instead: every
-checkpoint tensor each of them loads (`placement.Layout.groups`, read off vLLM's loaders; a
-partial group would leave the rest uninitialised), vLLM's `process_weights_after_loading` after
-it, and repacks the tied LM head when the embedding changed. A module whose loaders did not
+layer), `commit` reloads the touched modules instead (`vllm_reloader`), each with every
+checkpoint tensor it loads (`placement.Layout.groups`, read off vLLM's loaders; a partial group
+would leave the rest uninitialised): plain modules through vLLM's layerwise reload and its
+`process_weights_after_loading`, MoE layers by a fresh load on a twin (`fresh`), and the tied LM
+head is repacked when the embedding changed. A module whose loaders did not
 receive every element they load is a failed commit, never a warning: the previous version is
 reloaded and keeps serving. Shadow tensors are never written in place.
 
@@ -62,7 +63,7 @@ class ShadowSink:
         reload: loads each module's complete group `(hf_name, tensor)` into the model; also
             given each module's element count. `vllm_reloader(model, vllm_config)` in a worker.
         layout: the served model's layout for checkpoint tensors of given shapes
-            (`placement.derive_layout`).
+            (`placement.LayoutOf`).
         swapper: prepares modules off the pause; used once `self_check` passed after the
             first full load (else every update reloads), and while `prepack` is true.
         slicer: the boxes this worker holds for a model of given shapes (tensor parallel);
@@ -118,7 +119,7 @@ class ShadowSink:
         if touched and self.prepack and self.swapping and self.swapper is not None:
             try:
                 modules = self.swapper.prepare(tensors, touched)
-            except NotSwappable as exc:  # e.g. a MoE layer: vLLM reloads it in the pause
+            except NotSwappable as exc:  # e.g. a MoE layer: reloaded in the pause instead
                 log.debug("deltasync: reloading in the pause: %s", exc)
         return _NextShadow(tensors, touched, modules)
 
