@@ -1,7 +1,7 @@
 """vLLM's Qwen3 parameter layout (tensor parallel 1) without vLLM, for the in-place sink.
 
 What the in-place path relies on: `qkv_proj` / `gate_up_proj` parameters with `output_sizes`,
-`packed_modules_mapping`, an embedding padded to a multiple of 64 rows, an LM head that shares
+an embedding padded to a multiple of 64 rows, an LM head that shares
 the embedding's parameter, and a `load_weights` that copies checkpoint tensors into them as
 vLLM's loaders do (narrow, then `copy_`), from which `standin_layout` derives the layout the
 sinks use, as the engine does from a real vLLM model. Used by the tests and by the GPU check
@@ -40,8 +40,6 @@ class Plain(nn.Module):
 
 class StandInQwen3(nn.Module):
     """vLLM's Qwen3ForCausalLM parameter layout (tensor parallel 1), weights set to SENTINEL."""
-
-    packed_modules_mapping = PACKED
 
     def __init__(self, config, pad_to: int = 64):
         super().__init__()
