@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["PACKED", "SENTINEL", "StandInQwen3", "standin_layout"]
+__all__ = ["SENTINEL", "StandInQwen3", "standin_layout"]
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 SENTINEL = -7.0  # fills padding rows; must never be written

@@ -1,9 +1,10 @@
 """The in-place sink's own behaviour (layout, O(changed) writes, undo) on a fast stand-in.
 
 The stand-in (`bench.vllm_standin`, which the GPU check uses too) has what the in-place path
-relies on: `qkv_proj` / `gate_up_proj` parameters with `output_sizes`, `packed_modules_mapping`,
-an embedding padded to 64 rows, and an LM head that shares the embedding's parameter. The chain
-rules and vLLM's own Qwen3 class are covered by `test_sink_conformance.py`.
+relies on: `qkv_proj` / `gate_up_proj` parameters with `output_sizes`, an embedding padded to
+64 rows, an LM head that shares the embedding's parameter, and a loader the layout is read off.
+The chain rules and vLLM's own model classes are covered by `test_sink_conformance.py` and
+`test_family_sinks.py`.
 """
 
 from __future__ import annotations
