@@ -24,8 +24,8 @@ import time
 import torch
 
 from deltasync.arguments import count, fraction, json_path
-from deltasync.device_snapshot import DeviceSnapshot
-from deltasync.snapshot import Bf16Snapshot, digests_after
+from deltasync.publisher.device_snapshot import DeviceSnapshot
+from deltasync.publisher.snapshot import Bf16Snapshot, digests_after
 
 from .output import save_json
 from .realistic import SHAPES

@@ -9,7 +9,7 @@ publisher of the run without `--takeover` (it must be refused). The replicas fol
 full-state digest their workers recompute over the served weights is compared with the digest
 the trainer journaled for that version. At the end: nothing committed is lost (every journaled
 version the bucket retains has the journaled digest, and the chain replays to the latest), and no
-orphan is left (`deltasync.garbage`). Replica RSS is sampled after every sync.
+orphan is left (`deltasync.wire.garbage`). Replica RSS is sampled after every sync.
 
 Usage:
   .venv/bin/python -m bench.chaos --versions 200 --replicas 2 --json bench/results/chaos.json
@@ -36,10 +36,10 @@ from pathlib import Path
 
 from deltasync.arguments import count, folder, json_path, rate, scratch, whole
 from deltasync.errors import DeltaSyncError
-from deltasync.garbage import find_unreferenced
-from deltasync.manifest import read_manifest
-from deltasync.replica import Replica
+from deltasync.replica.replica import Replica
 from deltasync.store import LocalStore
+from deltasync.wire.garbage import find_unreferenced
+from deltasync.wire.manifest import read_manifest
 from trainer.tiny_model import build_tiny_qwen3
 
 from .memory import PeakRss

@@ -28,11 +28,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from deltasync.errors import Fenced, PublishError
-from deltasync.policy import AnchorPolicy
-from deltasync.publisher import Publisher, PublisherConfig
-from deltasync.snapshot import bf16_view
-from deltasync.state_hash import full_state_digest
+from deltasync.kernels.state_hash import full_state_digest
+from deltasync.publisher.publisher import Publisher, PublisherConfig
+from deltasync.publisher.snapshot import bf16_view
 from deltasync.store import LocalStore, RetryPolicy
+from deltasync.wire.policy import AnchorPolicy
 from trainer.resume import BucketWeights, load_into
 
 RUN_ID = "chaos"

@@ -47,11 +47,10 @@ import zstandard
 
 from deltasync.arguments import count, folder, json_path, learning_rate, whole
 from deltasync.codec import encode_anchor, encode_delta
-from deltasync.digest import tensor_digest
-from deltasync.replica import Replica
-from deltasync.snapshot import WORKERS, Bf16Snapshot, Diff
-from deltasync.state_digest import total
-from deltasync.state_hash import apply_changes, state_sums
+from deltasync.kernels.state_hash import apply_changes, state_sums
+from deltasync.publisher.snapshot import WORKERS, Bf16Snapshot, Diff
+from deltasync.replica.replica import Replica
+from deltasync.wire.digests import tensor_digest, total
 
 from .memory import PeakRss
 from .output import report

@@ -21,10 +21,10 @@ import sys
 import torch
 
 from deltasync.arguments import count, folder, json_path, learning_rate, scratch
-from deltasync.policy import AnchorPolicy
-from deltasync.publisher import Publisher, PublisherConfig
-from deltasync.source import ModelSource
+from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.store import open_store
+from deltasync.wire.policy import AnchorPolicy
+from deltasync.wire.source import ModelSource
 
 from .families import FAMILIES, build_family
 from .output import report

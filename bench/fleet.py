@@ -29,9 +29,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from deltasync.arguments import count, folder, json_path, scratch
-from deltasync.manifest import read_manifest
 from deltasync.store import LocalStore
 from deltasync.vllm_ext.client import ReplicaClient
+from deltasync.wire.manifest import read_manifest
 from trainer.config import prepare_model
 
 from .output import report

@@ -31,9 +31,9 @@ import torch
 
 from deltasync import AnchorPolicy, Publisher, PublisherConfig
 from deltasync.arguments import count, folder, json_path, learning_rate, positive, scratch
-from deltasync.manifest import read_manifest
 from deltasync.store import LocalStore
 from deltasync.vllm_ext.client import ReplicaClient
+from deltasync.wire.manifest import read_manifest
 from trainer.config import prepare_model
 from trainer.weight_sync import BucketWeightTransfer
 

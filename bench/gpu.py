@@ -33,12 +33,12 @@ import torch
 
 from deltasync.arguments import count, json_path, learning_rate, torch_device, whole
 from deltasync.codec import encode_anchor, encode_delta
-from deltasync.device_snapshot import DeviceSnapshot
-from deltasync.replica import Replica
-from deltasync.snapshot import Bf16Snapshot, digests_after
-from deltasync.state_digest import total
-from deltasync.state_hash import apply_changes, state_sums
-from deltasync.vllm_ext.device import InPlaceSink
+from deltasync.kernels.state_hash import apply_changes, state_sums
+from deltasync.publisher.device_snapshot import DeviceSnapshot
+from deltasync.publisher.snapshot import Bf16Snapshot, digests_after
+from deltasync.replica.replica import Replica
+from deltasync.vllm_ext.apply.device import InPlaceSink
+from deltasync.wire.digests import total
 
 from .output import save_json
 from .realistic import SHAPES, build_config

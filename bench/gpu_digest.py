@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from deltasync.arguments import fraction, json_path, torch_device
-from deltasync.changes import TensorChange
-from deltasync.state_digest import total
-from deltasync.state_hash import apply_changes, device_sum, state_sums, tensor_sum
+from deltasync.kernels.changes import TensorChange
+from deltasync.kernels.state_hash import apply_changes, device_sum, state_sums, tensor_sum
+from deltasync.wire.digests import total
 
 from .output import save_json
 from .realistic import SHAPES

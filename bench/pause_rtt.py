@@ -29,10 +29,10 @@ import torch
 from aiohttp import web
 
 from deltasync.arguments import count, folder, json_path, non_negative, scratch
-from deltasync.policy import AnchorPolicy
-from deltasync.publisher import Publisher, PublisherConfig
+from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.store import open_store
 from deltasync.vllm_ext.client import ReplicaClient
+from deltasync.wire.policy import AnchorPolicy
 from trainer.tiny_model import build_tiny_qwen3
 
 from .output import report

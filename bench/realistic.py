@@ -20,8 +20,8 @@ API:
 - `bf16_states(...)` yields `(step, state)`: step 0 is the initial bf16 view, then one per
   optimizer step. `state` is a dict name -> bf16 CPU tensor that is REUSED (overwritten in place)
   on the next iteration: copy what you keep. Tied aliases are skipped (as `named_parameters`).
-- `deltas(...)` yields one `deltasync.snapshot.Diff` per optimizer step (Bf16Snapshot.diff, then
-  advance), holding one snapshot and one bf16 state besides the trainer.
+- `deltas(...)` yields one `deltasync.kernels.changes.Diff` per optimizer step
+  (Bf16Snapshot.diff, then advance), holding one snapshot and one bf16 state besides the trainer.
 - With `cache=DIR`, training runs once and writes `state0.safetensors` (full bf16) plus one sparse
   `stepNNNN.safetensors` per step (`<name>.idx` int32/int64 ascending flat indices,
   `<name>.val` bf16 new values) under DIR/<key>/; later calls replay from disk without training.
@@ -134,7 +134,7 @@ def corpus_tokens(max_bytes: int = 32 << 20) -> np.ndarray:
 
 
 def _named(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    from deltasync.snapshot import named_tensors
+    from deltasync.publisher.snapshot import named_tensors
 
     return named_tensors(model)
 
@@ -221,7 +221,7 @@ def ensure_cache(
     """
     import safetensors.torch
 
-    from deltasync.snapshot import Bf16Snapshot
+    from deltasync.publisher.snapshot import Bf16Snapshot
 
     d = _cache_dir(cache, model, lr, seed, batch, seq)
     meta = _read_meta(d)
@@ -336,8 +336,8 @@ def bf16_states(
 
 
 def deltas(model: str = "qwen3-100m", steps: int = 6, **kwargs) -> Iterator:
-    """One `deltasync.snapshot.Diff` per optimizer step (exact bitwise bf16 changes)."""
-    from deltasync.snapshot import Bf16Snapshot
+    """One `deltasync.publisher.snapshot.Diff` per optimizer step (exact bitwise bf16 changes)."""
+    from deltasync.publisher.snapshot import Bf16Snapshot
 
     snap = None
     for k, state in bf16_states(model, steps, **kwargs):

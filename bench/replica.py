@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 from deltasync.arguments import count, folder, fraction, json_path, learning_rate, scratch, whole
-from deltasync.digest import tensor_digest
-from deltasync.policy import AnchorPolicy
-from deltasync.publisher import Publisher, PublisherConfig
+from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.store import open_store
 from deltasync.vllm_ext.client import ReplicaClient
+from deltasync.wire.digests import tensor_digest
+from deltasync.wire.policy import AnchorPolicy
 
 from .memory import PeakRss
 from .output import report

@@ -21,9 +21,9 @@ import psutil
 
 from deltasync.arguments import count, fraction, json_path
 from deltasync.codec import encode_anchor
-from deltasync.replica import Replica
-from deltasync.snapshot import Bf16Snapshot
-from deltasync.state_hash import apply_changes, state_sums
+from deltasync.kernels.state_hash import apply_changes, state_sums
+from deltasync.publisher.snapshot import Bf16Snapshot
+from deltasync.replica.replica import Replica
 
 from .codec import _encode_delta, _timed, _update
 from .memory import PeakRss

@@ -48,9 +48,9 @@ def _worker(args: argparse.Namespace) -> None:
     from transformers import Qwen3ForCausalLM
 
     from deltasync import Publisher, PublisherConfig
-    from deltasync.policy import AnchorPolicy
-    from deltasync.shards import ShardGroup, local_rows
+    from deltasync.publisher.shards import ShardGroup, local_rows
     from deltasync.store import LocalStore
+    from deltasync.wire.policy import AnchorPolicy
 
     from .memory import PeakRss
     from .realistic import SHAPES, build_config

@@ -28,10 +28,10 @@ from contextlib import ExitStack
 import torch
 
 from deltasync.arguments import count, folder, json_path, learning_rate, scratch, whole
-from deltasync.policy import AnchorPolicy
-from deltasync.publisher import Publisher, PublisherConfig
-from deltasync.snapshot import Bf16Snapshot
+from deltasync.publisher.publisher import Publisher, PublisherConfig
+from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.store import open_store
+from deltasync.wire.policy import AnchorPolicy
 from trainer.tiny_model import build_tiny_qwen3
 
 from .memory import PeakRss

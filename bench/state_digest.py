@@ -5,7 +5,7 @@ a full digest recompute, on one synthetic step of a Qwen3 shape.
     python -m bench.state_digest --model qwen3-tiny --repeat 1
     python -m bench.state_digest --json bench/results/state-digest-qwen3-0.6b.json
 
-Timed (best of `--repeat`, wall and CPU seconds of all threads, `deltasync.changes.WORKERS`
+Timed (best of `--repeat`, wall and CPU seconds of all threads, `deltasync.kernels.changes.WORKERS`
 threads):
 - `xxh3 pass`: xxh3-128 of every tensor's bf16 bytes (what the trainer's diff and an anchor's
   check cost; a delta's check hashes every tensor it touches, nearly all of them at 2 %);
@@ -24,11 +24,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from deltasync.arguments import count, fraction, json_path
-from deltasync.changes import WORKERS
-from deltasync.digest import tensor_digest
-from deltasync.snapshot import Bf16Snapshot
-from deltasync.state_digest import total
-from deltasync.state_hash import apply_changes, state_sums
+from deltasync.kernels.changes import WORKERS
+from deltasync.kernels.state_hash import apply_changes, state_sums
+from deltasync.publisher.snapshot import Bf16Snapshot
+from deltasync.wire.digests import tensor_digest, total
 
 from .output import report
 from .realistic import SHAPES

@@ -49,7 +49,7 @@ class CountingStore(LocalStore):
 
 def qwen3_slicer(rank: int, size: int):
     """This worker's box of each tensor, by vLLM's Qwen3 rules (see the module docstring)."""
-    from deltasync.slices import Box
+    from deltasync.kernels.slices import Box
 
     def slicer(shapes):
         boxes = {}
@@ -72,11 +72,11 @@ def qwen3_slicer(rank: int, size: int):
 
 def _run(args: argparse.Namespace) -> dict:
     from deltasync import Publisher, PublisherConfig
-    from deltasync.manifest import fetch_entry, read_manifest
-    from deltasync.policy import AnchorPolicy
-    from deltasync.ranged import fetch_slices
-    from deltasync.replica import DictSink, Replica
-    from deltasync.state_digest import total
+    from deltasync.replica.ranged import fetch_slices
+    from deltasync.replica.replica import DictSink, Replica
+    from deltasync.wire.digests import total
+    from deltasync.wire.manifest import fetch_entry, read_manifest
+    from deltasync.wire.policy import AnchorPolicy
 
     from .synthetic import synthetic_states
 

@@ -91,7 +91,7 @@ class StandInQwen3(nn.Module):
 def standin_layout(config):
     """The sinks' `layout` argument for a `StandInQwen3` of `config`: derived from its loader
     on a meta twin, as the engine derives it from vLLM's."""
-    from deltasync.vllm_ext.placement import layout_from_writes, record_writes
+    from deltasync.vllm_ext.apply.layout import layout_from_writes, record_writes
 
     with torch.device("meta"):
         twin = StandInQwen3(config)

@@ -1,33 +1,46 @@
 """deltasync: bf16 weight deltas for async RL, published through an object-storage bucket.
 
-Importing the package loads no torch: the bucket side (errors, stores, manifest, file headers)
-is torch-free, and the tensor side (`Publisher`, `Replica`, `Bf16Snapshot`, ...) loads on first
-use, so the dashboard and `python -m deltasync inspect` run without torch installed.
+A facade: it names the public types and no module of the package imports from it. Importing it
+loads no torch: the bucket side (errors, stores, manifest, file headers) is torch-free, and the
+tensor side (`Publisher`, `Replica`, `Bf16Snapshot`, ...) loads on first use, so the dashboard and
+`python -m deltasync inspect` run without torch installed.
+
+The layers, each a folder that imports only from those below it (tests/deltasync/test_layers.py):
+
+    errors, arguments, defaults   0  stdlib only
+    store/                        1  buckets: local folders, S3, Hub buckets, retries
+    wire/                         2  the bucket's format, torch-free (bucket_layout.md)
+    kernels/                      3  numeric kernels on tensors
+    codec/                        4  anchor and delta files
+    publisher/, replica/          5  the trainer's side and the reading side
+    vllm_ext/                     6  the vLLM server, worker extension and client
+    tools/                        7  the command line (`python -m deltasync`)
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from deltasync.errors import (
     ChainError,
     DeltaSyncError,
     DigestMismatch,
     FormatError,
+    MissingExtra,
     PublishError,
     StoreError,
+    import_tensor_side,
 )
-from .manifest import Manifest, read_manifest
-from .metrics import SyncRecord
-from .policy import AnchorPolicy
-from .store import RetryPolicy, Store, open_store
+from deltasync.store import RetryPolicy, Store, open_store
+from deltasync.wire.manifest import Manifest, read_manifest
+from deltasync.wire.metrics import SyncRecord
+from deltasync.wire.policy import AnchorPolicy
 
 if TYPE_CHECKING:
-    from .changes import Diff, TensorChange
-    from .publisher import Publisher, PublisherConfig
-    from .replica import DictSink, Replica, Sink
-    from .snapshot import Bf16Snapshot
+    from deltasync.kernels.changes import Diff, TensorChange
+    from deltasync.publisher.publisher import Publisher, PublisherConfig
+    from deltasync.publisher.snapshot import Bf16Snapshot
+    from deltasync.replica.replica import DictSink, Replica, Sink
 
 __all__ = [
     "AnchorPolicy",
@@ -55,14 +68,14 @@ __all__ = [
 ]
 
 _TENSOR_SIDE = {
-    "Bf16Snapshot": "snapshot",
-    "DictSink": "replica",
-    "Diff": "changes",
-    "Publisher": "publisher",
-    "PublisherConfig": "publisher",
-    "Replica": "replica",
-    "Sink": "replica",
-    "TensorChange": "changes",
+    "Bf16Snapshot": "publisher.snapshot",
+    "DictSink": "replica.replica",
+    "Diff": "kernels.changes",
+    "Publisher": "publisher.publisher",
+    "PublisherConfig": "publisher.publisher",
+    "Replica": "replica.replica",
+    "Sink": "replica.replica",
+    "TensorChange": "kernels.changes",
 }
 
 
@@ -70,21 +83,3 @@ def __getattr__(name: str) -> Any:
     if name in _TENSOR_SIDE:
         return getattr(import_tensor_side(f"{__name__}.{_TENSOR_SIDE[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class MissingExtra(ImportError):
-    """The tensor side was asked for where only the torch-free core is installed."""
-
-
-def import_tensor_side(module: str) -> Any:
-    """Import a module of the tensor side, naming the extra to install when torch & co. lack."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        missing = (exc.name or "").split(".")[0]
-        if missing in {"torch", "numpy", "numba", "safetensors", "zstandard"}:
-            raise MissingExtra(
-                f"{module} needs {missing}: pip install 'deltasync[torch]' ({exc})",
-                name=exc.name,
-            ) from exc
-        raise

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 __all__ = [
     "ChainError",
     "DeltaSyncError",
     "DigestMismatch",
+    "ExportError",
     "FormatError",
+    "MissingExtra",
     "PublishError",
     "ReloadError",
     "StoreError",
+    "import_tensor_side",
 ]
 
 
@@ -90,3 +96,25 @@ class PublishError(DeltaSyncError):
 class Fenced(PublishError):
     """Another publisher took the run over (or replaced it) in the bucket: this one may never
     commit again; restart it with `takeover` to continue from the bucket."""
+
+
+class ExportError(DeltaSyncError):
+    """An export cannot be done as asked; nothing was written."""
+
+
+class MissingExtra(ImportError):
+    """The tensor side was asked for where only the torch-free core is installed."""
+
+
+def import_tensor_side(module: str) -> Any:
+    """Import a module of the tensor side, naming the extra to install when torch & co. lack."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing in {"torch", "numpy", "numba", "safetensors", "zstandard"}:
+            raise MissingExtra(
+                f"{module} needs {missing}: pip install 'deltasync[torch]' ({exc})",
+                name=exc.name,
+            ) from exc
+        raise

@@ -182,7 +182,7 @@ def run_local(cfg: LocalConfig, echo: Callable[[str], None] = print) -> int:
 
 def summarize(plan: LocalPlan, cfg: LocalConfig, elapsed_s: float, code: int) -> list[str]:
     """What happened, read back from the bucket's metrics records, and where things are."""
-    from deltasync.metrics import SyncRecord  # torch-free; imported when a run has ended
+    from deltasync.wire.metrics import SyncRecord  # torch-free; imported when a run has ended
 
     records = []
     for path in sorted((plan.bucket / "runs" / cfg.run_name / "metrics").glob("*.json")):

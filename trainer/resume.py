@@ -15,11 +15,11 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from deltasync.checkpoint_names import CheckpointNames
-from deltasync.manifest import read_manifest
-from deltasync.replica import Replica
-from deltasync.snapshot import bf16_view
+from deltasync.publisher.checkpoint_names import CheckpointNames
+from deltasync.publisher.snapshot import bf16_view
+from deltasync.replica.replica import Replica
 from deltasync.store import Store
+from deltasync.wire.manifest import read_manifest
 
 __all__ = ["BucketWeights", "latest_checkpoint", "load_into"]
 

@@ -2,7 +2,7 @@
 
 TRL's `AsyncGRPOTrainer._sync_weight_merged` all-gathers each parameter (`full_tensor()`) so
 that rank 0 alone can send whole tensors. For the bucket transport that gather is wasted: each
-rank diffs its own rows (`deltasync.shards`) and uploads its part, and rank 0 commits the
+rank diffs its own rows (`deltasync.publisher.shards`) and uploads its part, and rank 0 commits the
 version once every part is durable. `ShardedBucketSync` replaces that one method; the rest of
 TRL's sync (barriers, model version, the rollout worker) is kept as TRL does it.
 

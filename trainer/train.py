@@ -40,10 +40,11 @@ from deltasync.arguments import (
     positive,
     whole,
 )
-from deltasync.checkpoint_names import CheckpointNames
-from deltasync.shards import ShardGroup
-from deltasync.source import resolve_source
+from deltasync.defaults import ANCHOR_INTERVAL
+from deltasync.publisher.checkpoint_names import CheckpointNames
+from deltasync.publisher.shards import ShardGroup
 from deltasync.vllm_ext.client import ReplicaClient
+from deltasync.wire.source import resolve_source
 
 from . import defaults
 from .auth_proxy import AuthProxy
@@ -197,7 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="ans",
         help="delta encoding (default %(default)s)",
     )
-    p.add_argument("--anchor-interval", type=count, default=50, help="anchor every N versions")
+    p.add_argument(
+        "--anchor-interval",
+        type=count,
+        default=ANCHOR_INTERVAL,
+        help="anchor every N versions (default %(default)s)",
+    )
     p.add_argument(
         "--full-first-anchor",
         action="store_true",

@@ -7,9 +7,10 @@ the commit and, for every replica in parallel, has it stage the file while it se
 its one sync request (`ReplicaClient.sync_to`): the replica pauses, applies, verifies, records the
 version and resumes by itself, with no round trip to the trainer inside the pause. A replica
 counts as synced at version v only once it reports v.
-Then it writes the version's one metrics record (`deltasync.metrics.SyncRecord`): the publisher's
-fields, every replica's outcome, and the reward TRL logged at the step that produced the version
-(`trainer.rewards`); the publisher itself writes none (`PublisherConfig(write_metrics=False)`).
+Then it writes the version's one metrics record (`deltasync.wire.metrics.SyncRecord`): the
+publisher's fields, every replica's outcome, and the reward TRL logged at the step that produced
+the version (`trainer.rewards`); the publisher itself writes none
+(`PublisherConfig(write_metrics=False)`).
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from dataclasses import dataclass, field
 import torch
 
 from deltasync import Publisher
-from deltasync.digest import tensor_digest
 from deltasync.errors import DeltaSyncError
-from deltasync.manifest import metrics_path, read_manifest
-from deltasync.metrics import ReplicaOutcome, SyncRecord
-from deltasync.snapshot import bf16_view
+from deltasync.publisher.snapshot import bf16_view
 from deltasync.vllm_ext.client import ReplicaClient
+from deltasync.wire.digests import tensor_digest
+from deltasync.wire.manifest import metrics_path, read_manifest
+from deltasync.wire.metrics import ReplicaOutcome, SyncRecord
 
 from .console import console, version_line
 from .rewards import StepRewards

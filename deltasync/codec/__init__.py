@@ -2,16 +2,18 @@
 
 Anchors are plain HF-style bf16 checkpoints, or virtual anchors naming one; deltas use the `ans`
 (default), `packed` or `coo` encoding.
-Reading headers and metadata (`header`, `metadata`) needs no torch; `encode_*` and `decode` load
-the tensor side (`files`) on first use.
+Layer 4. A torch-free facade: headers and metadata are `deltasync.wire`'s, re-exported here;
+`encode_*` and `decode` load the tensor side (`files`) on first use. May import every layer
+below (`errors`, `defaults`, `store`, `wire`, `kernels`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .header import SafetensorsHeader, TensorInfo, parse_header, parse_header_bytes
-from .metadata import (
+from deltasync.errors import import_tensor_side
+from deltasync.wire.header import SafetensorsHeader, TensorInfo, parse_header, parse_header_bytes
+from deltasync.wire.metadata import (
     ENCODINGS,
     PROTOCOL,
     FileMetadata,
@@ -24,7 +26,13 @@ from .metadata import (
 )
 
 if TYPE_CHECKING:
-    from .files import DecodedFile, decode, encode_anchor, encode_delta, encode_virtual_anchor
+    from deltasync.codec.files import (
+        DecodedFile,
+        decode,
+        encode_anchor,
+        encode_delta,
+        encode_virtual_anchor,
+    )
 
 __all__ = [
     "ENCODINGS",
@@ -52,7 +60,5 @@ _TENSOR_SIDE = {"DecodedFile", "decode", "encode_anchor", "encode_delta", "encod
 
 def __getattr__(name: str) -> Any:
     if name in _TENSOR_SIDE:
-        from .. import import_tensor_side
-
         return getattr(import_tensor_side(f"{__name__}.files"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ..changes import WORKERS, TensorChange
-from ..errors import FormatError
-from ..jit import compiled
-from ..slices import Box, held_indices
-from .rans import decode_gaps, decode_integers, encode_gaps, encode_integers
+from deltasync.codec.rans import decode_gaps, decode_integers, encode_gaps, encode_integers
+from deltasync.errors import FormatError
+from deltasync.kernels.changes import WORKERS, TensorChange
+from deltasync.kernels.jit import compiled
+from deltasync.kernels.slices import Box, held_indices
 
 __all__ = ["decode_tensor", "encode_changes", "gap_raw_bits"]
 

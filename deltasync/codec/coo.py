@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..changes import TensorChange, gather
-from ..errors import FormatError
-from ..slices import Box
+from deltasync.errors import FormatError
+from deltasync.kernels.changes import TensorChange, gather
+from deltasync.kernels.slices import Box
 
 __all__ = ["decode_tensor", "encode_changes"]
 

@@ -13,16 +13,15 @@ from dataclasses import dataclass, field
 import safetensors.torch
 import torch
 
-from ..changes import WORKERS, Diff, TensorChange
-from ..digest import tensor_digest
-from ..errors import FormatError
-from ..slices import Boxes
-from ..source import ModelSource
-from ..state_digest import StateDigest, total
-from ..state_hash import state_sums
-from . import ans, coo, packed
-from .header import TensorInfo
-from .metadata import (
+from deltasync.codec import ans, coo, packed
+from deltasync.codec.virtual import source_tensors
+from deltasync.errors import FormatError
+from deltasync.kernels.changes import WORKERS, Diff, TensorChange
+from deltasync.kernels.slices import Boxes
+from deltasync.kernels.state_hash import state_sums
+from deltasync.wire.digests import StateDigest, tensor_digest, total
+from deltasync.wire.header import TensorInfo
+from deltasync.wire.metadata import (
     ENCODINGS,
     FileMetadata,
     ParsedFile,
@@ -31,6 +30,7 @@ from .metadata import (
     TensorEntry,
     validate_run_id,
 )
+from deltasync.wire.source import ModelSource
 
 __all__ = ["DecodedFile", "decode", "encode_anchor", "encode_delta", "encode_virtual_anchor"]
 
@@ -211,7 +211,7 @@ def decode(
             _check_anchor_keys(meta, header.tensors)
             if meta.source is not None:  # a virtual anchor: the tensors come from its source
                 shapes = {n: e.shape for n, e in meta.tensors.items()}
-                return DecodedFile(meta, tensors=dict(meta.source.tensors(shapes, boxes)))
+                return DecodedFile(meta, tensors=dict(source_tensors(meta.source, shapes, boxes)))
             if boxes is not None:
                 return DecodedFile(meta, tensors=_load_boxes(parsed, boxes))
             return DecodedFile(meta, tensors=_load(data, path))

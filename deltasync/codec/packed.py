@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ..changes import WORKERS, TensorChange
-from ..errors import FormatError
-from ..slices import Box, held_indices
-from .varint import gap_varints, indices_from_gaps, step_varints, values_from_steps
+from deltasync.codec.varint import gap_varints, indices_from_gaps, step_varints, values_from_steps
+from deltasync.errors import FormatError
+from deltasync.kernels.changes import WORKERS, TensorChange
+from deltasync.kernels.slices import Box, held_indices
 
 __all__ = ["decode_tensor", "encode_changes"]
 

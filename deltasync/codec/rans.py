@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import FormatError
-from ..jit import compiled
+from deltasync.errors import FormatError
+from deltasync.kernels.jit import compiled
 
 __all__ = [
     "ALPHABET",

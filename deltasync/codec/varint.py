@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import FormatError
-from ..jit import compiled
+from deltasync.errors import FormatError
+from deltasync.kernels.jit import compiled
 
 __all__ = ["gap_varints", "indices_from_gaps", "step_varints", "values_from_steps"]
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import fsspec
 
-from ..errors import StoreError
-from .base import Conflict, MissingFile, RefusedObject, Store, validate_path
-from .local import LocalStore
-from .retry import RetryPolicy
-from .s3 import S3Store
+from deltasync.errors import StoreError
+from deltasync.store.base import Conflict, MissingFile, RefusedObject, Store, validate_path
+from deltasync.store.local import LocalStore
+from deltasync.store.retry import RetryPolicy
+from deltasync.store.s3 import S3Store
 
 __all__ = [
     "Conflict",

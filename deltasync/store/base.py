@@ -8,8 +8,8 @@ from typing import Any
 
 import fsspec
 
-from ..errors import StoreError
-from .retry import Conflict, MissingFile, RefusedObject, RetryPolicy
+from deltasync.errors import StoreError
+from deltasync.store.retry import Conflict, MissingFile, RefusedObject, RetryPolicy
 
 __all__ = ["Conflict", "MissingFile", "RefusedObject", "Store", "validate_path"]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import StoreError
-from .base import RefusedObject, Store
-from .retry import RetryPolicy
+from deltasync.errors import StoreError
+from deltasync.store.base import RefusedObject, Store
+from deltasync.store.retry import RetryPolicy
 
 __all__ = ["LocalStore"]
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..errors import StoreError
+from deltasync.errors import StoreError
 
 __all__ = ["Conflict", "MissingFile", "RefusedObject", "RetryPolicy"]
 

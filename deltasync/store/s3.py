@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import Store
-from .retry import Conflict
+from deltasync.store.base import Store
+from deltasync.store.retry import Conflict
 
 __all__ = ["S3Store"]
 

@@ -6,7 +6,7 @@ Nothing here imports vLLM at package import; `deltasync.vllm_ext.worker` does, a
 
 BACKEND = "deltasync"
 WORKER_EXTENSION = "deltasync.vllm_ext.worker.DeltaSyncWorkerExtension"
-AUTH_MIDDLEWARE = "deltasync.vllm_ext.auth.BearerAuthMiddleware"
-LOOPBACK_MIDDLEWARE = "deltasync.vllm_ext.auth.LoopbackMiddleware"  # --insecure-no-auth
+AUTH_MIDDLEWARE = "deltasync.vllm_ext.server.auth.BearerAuthMiddleware"
+LOOPBACK_MIDDLEWARE = "deltasync.vllm_ext.server.auth.LoopbackMiddleware"  # --insecure-no-auth
 
 __all__ = ["AUTH_MIDDLEWARE", "BACKEND", "LOOPBACK_MIDDLEWARE", "WORKER_EXTENSION"]

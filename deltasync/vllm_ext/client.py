@@ -21,10 +21,10 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from ..errors import DeltaSyncError, FormatError
-from ..state_digest import StateDigest, total
-from .control import SYNC_PATH
-from .protocol import merge_statuses
+from deltasync.errors import DeltaSyncError, FormatError
+from deltasync.vllm_ext.server.control import SYNC_PATH
+from deltasync.vllm_ext.server.protocol import merge_statuses
+from deltasync.wire.digests import StateDigest, total
 
 __all__ = ["ReplicaClient", "ReplicaError"]
 

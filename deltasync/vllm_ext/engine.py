@@ -20,6 +20,7 @@ promises (and the slices tile every tensor).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -32,19 +33,20 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from ..errors import DeltaSyncError, DigestMismatch, FormatError
-from ..manifest import ChainEntry, fetch_entry, read_manifest
-from ..ranged import fetch_slices
-from ..replica import PreparedUpdate, Replica, Shapes
-from ..slices import Boxes, check_cover
-from ..state_digest import StateDigest, total
-from ..store import Store, open_store
-from . import BACKEND
-from .device import InPlaceSink
-from .placement import LayoutOf
-from .protocol import InitInfo, UpdateInfo, parse_message
-from .shadow import ShadowSink, vllm_reloader
-from .swap import CpuGemmSwapper
+from deltasync.errors import DeltaSyncError, DigestMismatch, FormatError
+from deltasync.kernels.slices import Boxes, check_cover
+from deltasync.replica.ranged import fetch_slices
+from deltasync.replica.replay import staged
+from deltasync.replica.replica import PreparedUpdate, Replica, Shapes
+from deltasync.store import Store, open_store
+from deltasync.vllm_ext import BACKEND
+from deltasync.vllm_ext.apply.device import InPlaceSink
+from deltasync.vllm_ext.apply.layout import LayoutOf
+from deltasync.vllm_ext.apply.shadow import ShadowSink, vllm_reloader
+from deltasync.vllm_ext.apply.swap import CpuGemmSwapper
+from deltasync.vllm_ext.server.protocol import InitInfo, UpdateInfo, parse_message
+from deltasync.wire.digests import StateDigest, total
+from deltasync.wire.manifest import ChainEntry, fetch_entry, read_manifest
 
 __all__ = ["MAX_STAGED", "DeltaSyncEngine", "register"]
 
@@ -201,11 +203,10 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 raise FormatError(f"the manifest has no file {path!r} for version {target}")
         held = state.state_digest
         entries = manifest.plan(*base, target, digest=held and held.hex())
+        fetch = fetch_entry
         if self.tp_size > 1:  # anchors: only the bytes of this worker's slices
-            files = [(fetch_slices(store, e, state.sink.boxes), e.label) for e in entries]
-        else:
-            files = [(fetch_entry(store, e), e.label) for e in entries]
-        update = state.prepare(files)
+            fetch = functools.partial(fetch_slices, slicer=state.sink.boxes)
+        update = state.prepare(staged(store, entries, fetch))
         size = sum(e.bytes for e in entries)
         return _Prepared(base, target, entries, size, update, time.perf_counter() - started)
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from ..errors import DeltaSyncError
-from .engine import DeltaSyncEngine, register
-from .protocol import stage_args
+from deltasync.errors import DeltaSyncError
+from deltasync.vllm_ext.engine import DeltaSyncEngine, register
+from deltasync.vllm_ext.server.protocol import stage_args
 
 __all__ = ["DeltaSyncWorkerExtension"]
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import gradio as gr
 
+from deltasync.defaults import DASHBOARD_PORT
 from deltasync.errors import DeltaSyncError
 from deltasync.store import Store, open_store
 
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"folder, hf://buckets/NS/NAME or fsspec URL (default: ${ENV_BUCKET})",
     )
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 inside a Space")
-    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--port", type=int, default=DASHBOARD_PORT)
     parser.add_argument("--refresh", type=float, default=5.0, help="seconds between refreshes")
     parser.add_argument(
         "--replica",

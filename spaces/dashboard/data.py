@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from deltasync.errors import DeltaSyncError, FormatError, StoreError
-from deltasync.manifest import ChainEntry, Manifest, read_manifest_bytes
-from deltasync.metrics import MAX_RECORD_BYTES
 from deltasync.store import MissingFile, RefusedObject, Store
+from deltasync.wire.manifest import ChainEntry, Manifest, read_manifest_bytes
+from deltasync.wire.metrics import MAX_RECORD_BYTES
 
 from .records import HeaderInfo, SyncRecord, read_header
 

@@ -1,6 +1,6 @@
 """Typed views of what the dashboard reads: metrics records and safetensors headers.
 
-Metrics records are `deltasync.metrics.SyncRecord` (exact keys, parsed by its `from_json`);
+Metrics records are `deltasync.wire.metrics.SyncRecord` (exact keys, parsed by its `from_json`);
 headers become `HeaderInfo` here. The rest of the dashboard never sees raw dicts (STYLE 4).
 """
 
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from deltasync.codec import FileMetadata, read_metadata
 from deltasync.errors import FormatError
-from deltasync.manifest import ChainEntry, PartRef
-from deltasync.metrics import SyncRecord
 from deltasync.store import Store
+from deltasync.wire.manifest import ChainEntry, PartRef
+from deltasync.wire.metrics import SyncRecord
 
 __all__ = ["HeaderInfo", "SyncRecord", "read_header"]
 

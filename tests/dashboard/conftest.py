@@ -14,9 +14,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no network calls f
 from server_process import free_port
 
 from deltasync import AnchorPolicy, Publisher, PublisherConfig, SyncRecord
-from deltasync.manifest import MANIFEST_PATH, Manifest, metrics_path
-from deltasync.metrics import ReplicaOutcome
 from deltasync.store import LocalStore
+from deltasync.wire.manifest import MANIFEST_PATH, Manifest, metrics_path
+from deltasync.wire.metrics import ReplicaOutcome
 
 PUBLISH_TIMEOUT_S = 60.0
 

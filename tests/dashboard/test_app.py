@@ -10,8 +10,8 @@ import pytest
 import requests
 from gradio_client import Client
 
-from deltasync.manifest import MANIFEST_PATH, metrics_path
 from deltasync.store import LocalStore
+from deltasync.wire.manifest import MANIFEST_PATH, metrics_path
 from spaces.dashboard.app import main
 
 from .conftest import CountingStore, Trainer

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from deltasync.errors import StoreError
-from deltasync.manifest import MANIFEST_PATH, Manifest, metrics_path
-from deltasync.metrics import MAX_RECORD_BYTES, ReplicaOutcome, SyncRecord
 from deltasync.store import LocalStore
+from deltasync.wire.manifest import MANIFEST_PATH, Manifest, metrics_path
+from deltasync.wire.metrics import MAX_RECORD_BYTES, ReplicaOutcome, SyncRecord
 from spaces.dashboard import charts
 from spaces.dashboard.data import BucketWatcher, WatcherConfig
 from spaces.dashboard.series import (
@@ -349,8 +349,8 @@ def test_a_virtual_first_anchor_costs_the_model_bytes_to_replay(tmp_path):
     import safetensors.torch
 
     from deltasync import Publisher, PublisherConfig
-    from deltasync.snapshot import Bf16Snapshot
-    from deltasync.source import ModelSource
+    from deltasync.publisher.snapshot import Bf16Snapshot
+    from deltasync.wire.source import ModelSource
 
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)

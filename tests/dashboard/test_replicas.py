@@ -12,7 +12,7 @@ import pytest
 from gradio_client import Client
 from server_process import free_port
 
-from deltasync.manifest import MANIFEST_PATH, Manifest
+from deltasync.wire.manifest import MANIFEST_PATH, Manifest
 from spaces.dashboard.app import DashboardConfig, build_dashboard
 from spaces.dashboard.replicas import ReplicaPoller, parse_replica_urls
 from spaces.dashboard.serving import launch as serve

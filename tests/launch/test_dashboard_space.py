@@ -72,7 +72,7 @@ def test_context_layout(tmp_path):
         "requirements.txt",
         "BUILD_INFO.json",
         "deltasync/__init__.py",
-        "deltasync/metrics.py",
+        "deltasync/wire/metrics.py",
         "deltasync_dashboard/app.py",
     } <= files
     assert not any(f.startswith(("spaces/", "trainer/", "tests/")) for f in files)
@@ -83,7 +83,7 @@ def test_context_layout(tmp_path):
 def _publish(bucket: Path, versions: int) -> None:
     import torch
 
-    from deltasync.publisher import Publisher, PublisherConfig
+    from deltasync.publisher.publisher import Publisher, PublisherConfig
     from deltasync.store import LocalStore
 
     model = torch.nn.Linear(32, 32)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deltasync.manifest import metrics_path
-from deltasync.metrics import ReplicaOutcome, SyncRecord
+from deltasync.wire.manifest import metrics_path
+from deltasync.wire.metrics import ReplicaOutcome, SyncRecord
 from launcher.config import LocalConfig
 from launcher.local import local_plan, summarize
 

@@ -13,10 +13,10 @@ from typing import Any
 from wire_samples import RUN, base_state, stepped
 
 from deltasync.errors import PublishError
-from deltasync.policy import AnchorPolicy
-from deltasync.publisher import Publisher, PublisherConfig
-from deltasync.state_hash import full_state_digest
+from deltasync.kernels.state_hash import full_state_digest
+from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.store import LocalStore
+from deltasync.wire.policy import AnchorPolicy
 
 POLICY = AnchorPolicy(interval=10, max_delta_fraction=None, keep_anchors=1)
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from deltasync.errors import FormatError
-from deltasync.manifest import (
+from deltasync.store import LocalStore, RefusedObject, RetryPolicy, open_store
+from deltasync.store import retry as retry_module
+from deltasync.wire.manifest import (
     MANIFEST_PATH,
     MAX_MANIFEST_BYTES,
     PartRef,
@@ -22,8 +24,6 @@ from deltasync.manifest import (
     read_manifest,
     read_manifest_bytes,
 )
-from deltasync.store import LocalStore, RefusedObject, RetryPolicy, open_store
-from deltasync.store import retry as retry_module
 
 SECRET = b"root:x:0:0:secret-line\n"
 

@@ -12,13 +12,13 @@ import pytest
 from racing import POLICY, race
 from wire_samples import RUN, bitwise_equal, build_chain, stepped
 
-from deltasync.digest import bytes_digest
 from deltasync.errors import ChainError, Fenced, PublishError
-from deltasync.garbage import find_unreferenced
-from deltasync.manifest import MANIFEST_PATH, Manifest, read_manifest
-from deltasync.publisher import Publisher, PublisherConfig
-from deltasync.replica import Replica
+from deltasync.publisher.publisher import Publisher, PublisherConfig
+from deltasync.replica.replica import Replica
 from deltasync.store import LocalStore, open_store
+from deltasync.wire.digests import bytes_digest
+from deltasync.wire.garbage import find_unreferenced
+from deltasync.wire.manifest import MANIFEST_PATH, Manifest, read_manifest
 
 CHAIN = build_chain(6)
 

@@ -16,10 +16,10 @@ from mutations import file_mutation
 from wire_samples import Chain, bitwise_equal, build_chain, digests, fingerprint, replica_at
 
 from deltasync.codec import decode, read_metadata
-from deltasync.codec.header import parse_header_bytes
-from deltasync.codec.metadata import FileMetadata
 from deltasync.errors import DeltaSyncError
-from deltasync.state_hash import full_state_digest
+from deltasync.kernels.state_hash import full_state_digest
+from deltasync.wire.header import parse_header_bytes
+from deltasync.wire.metadata import FileMetadata
 
 # Sized for ~2 minutes for the whole folder on 2 CPU cores (see RELIABILITY.md for counts).
 FUZZ = settings(

@@ -12,8 +12,8 @@ from manifest_mutations import manifest_mutation
 from wire_samples import bitwise_equal, build_chain, fingerprint, publish_chain, replica_at
 
 from deltasync.errors import ChainError, DeltaSyncError, FormatError
-from deltasync.manifest import MANIFEST_PATH, Manifest, file_path
 from deltasync.store import RetryPolicy, validate_path
+from deltasync.wire.manifest import MANIFEST_PATH, Manifest, file_path
 
 FUZZ = settings(
     deadline=None,

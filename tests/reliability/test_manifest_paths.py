@@ -12,8 +12,8 @@ from manifest_mutations import HOSTILE_PATHS
 from wire_samples import bitwise_equal, build_chain, fingerprint, publish_chain, replica_at
 
 from deltasync.errors import FormatError
-from deltasync.manifest import MANIFEST_PATH, Manifest
 from deltasync.store import RetryPolicy
+from deltasync.wire.manifest import MANIFEST_PATH, Manifest
 
 CHAIN = build_chain(5)
 

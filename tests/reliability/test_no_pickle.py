@@ -19,7 +19,7 @@ from wire_samples import build_chain, fingerprint, join, publish_chain, replica_
 
 import deltasync
 from deltasync.errors import FormatError
-from deltasync.replica import Replica
+from deltasync.replica.replica import Replica
 from deltasync.store import LocalStore
 
 PACKAGE = Path(deltasync.__file__).parent

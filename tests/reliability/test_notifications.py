@@ -16,9 +16,9 @@ from wire_samples import (
 )
 
 from deltasync.errors import ChainError, DeltaSyncError
-from deltasync.manifest import MANIFEST_PATH, Manifest
-from deltasync.policy import AnchorPolicy
 from deltasync.store import LocalStore
+from deltasync.wire.manifest import MANIFEST_PATH, Manifest
+from deltasync.wire.policy import AnchorPolicy
 
 CHAIN = build_chain(5)
 OTHER = build_chain(5, run_id="run-b", seed=1)  # same model, another run

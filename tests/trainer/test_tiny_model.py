@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from deltasync.snapshot import Bf16Snapshot
+from deltasync.publisher.snapshot import Bf16Snapshot
 from trainer.tiny_model import build_tiny_qwen3
 
 

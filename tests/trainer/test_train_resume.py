@@ -10,8 +10,8 @@ import subprocess
 import pytest
 from trainer_cli import ENV, TOKEN, metrics, run_trainer, train_command
 
-from deltasync.manifest import MANIFEST_PATH, read_manifest
 from deltasync.store import open_store
+from deltasync.wire.manifest import MANIFEST_PATH, read_manifest
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ import subprocess
 import pytest
 from trainer_cli import ENV, TOKEN, metrics, run_trainer, train_command, trainer_process, wait_until
 
-from deltasync.manifest import read_manifest
-from deltasync.replica import Replica
+from deltasync.replica.replica import Replica
 from deltasync.store import open_store
+from deltasync.wire.manifest import read_manifest
 
 pytestmark = pytest.mark.slow
 

@@ -17,10 +17,10 @@ import torch
 from model_steps import AdamWLoop, tiny_qwen3
 
 from deltasync import Bf16Snapshot, Publisher, PublisherConfig, Replica
-from deltasync.digest import tensor_digest
-from deltasync.manifest import Manifest
-from deltasync.metrics import SyncRecord
 from deltasync.store import LocalStore
+from deltasync.wire.digests import tensor_digest
+from deltasync.wire.manifest import Manifest
+from deltasync.wire.metrics import SyncRecord
 from trainer.weight_sync import BucketWeightTransfer
 
 STEPS = 4

