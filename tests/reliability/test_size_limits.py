@@ -20,11 +20,11 @@ import zstandard
 from mutations import replace_tensor
 from wire_samples import build_chain, fingerprint, join, replica_at, split
 
-from deltasync.wire import header as header_module
 from deltasync.codec import read_metadata
 from deltasync.errors import FormatError
 from deltasync.replica.replica import Replica
 from deltasync.store import LocalStore
+from deltasync.wire import header as header_module
 from deltasync.wire.header import MAX_HEADER_BYTES, parse_header
 from deltasync.wire.manifest import MANIFEST_PATH, MAX_MANIFEST_BYTES, read_manifest
 

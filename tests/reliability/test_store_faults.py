@@ -1,6 +1,6 @@
 """Bucket faults under the publisher and the replica: failed and slow transfers, partial files and
-a full disk. What `tests/deltasync/publisher/test_publisher.py` covers already (transient put failures,
-a failure that surfaces, back-pressure, commit order) is not repeated here."""
+a full disk. What `tests/deltasync/publisher/test_publisher.py` covers already (transient put
+failures, a failure that surfaces, back-pressure, commit order) is not repeated here."""
 
 from __future__ import annotations
 
