@@ -1,34 +1,49 @@
-"""Build contexts for the Spaces: a template folder plus this repository's packages.
+"""Build contexts for the Spaces: a template folder (spaces/<kind>/) plus this repository's
+packages, or, for an OpenEnv environment (wordle_env/), that folder plus its Space card.
 
 Each context is a copy of the sources at this revision (nothing is installed from a moving
 source), so the Space builds exactly what was tested here; `BUILD_INFO.json` records the git
 commit and a digest of the staged files. Staging is deterministic: an unchanged tree stages to
-the same bytes, and `hf upload` then has nothing to commit.
+the same bytes, and `hf upload` then has nothing to commit. `sources` says which repository file
+each staged path comes from (the Space's Dockerfile, pyproject.toml, README.md) without staging.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
+import os
 import shutil
 import subprocess
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .errors import LaunchError
 from .plan import MARKER_TAG
 
-__all__ = ["CONTEXTS", "REPO_ROOT", "describe", "revision", "stage"]
+__all__ = ["CONTEXTS", "REPO_ROOT", "describe", "revision", "sources", "stage"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_INFO = "BUILD_INFO.json"
-# uv.lock is wordle_env's lock for OpenEnv's tooling; the Space image installs with pip.
-_SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache", "uv.lock")
+# Not staged from a folder: what .gitignore ignores there (caches; the .venv `uv run --project
+# wordle_env` makes; what a pip build leaves), and uv.lock, wordle_env's lock for OpenEnv's
+# tooling (the Space image installs with pip).
+_SKIP = (
+    "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache", ".hypothesis", ".venv", "build",
+    "dist", "*.egg-info", "uv.lock",
+)  # fmt: skip
+# OpenEnv keeps an environment's Dockerfile in server/ and builds with the environment folder as
+# the context; a Docker Space builds the Dockerfile at the root, so staging moves it there (as
+# `openenv push` does) when no other entry puts one there.
+_SERVER_DOCKERFILE = "server/Dockerfile"
 
-# kind -> (repository path, path in the context); a folder's files are copied as they are.
-# The layouts are the ones each Space's README describes ("Build context").
+# kind -> (repository path, path in the context); a folder is copied with its subfolders, later
+# entries replacing earlier ones. The layouts are the ones each Space's README describes
+# ("Build context").
 CONTEXTS: dict[str, tuple[tuple[str, str], ...]] = {
     "vllm": (("spaces/vllm", "."), ("deltasync", "deltasync")),
-    "wordle": (("spaces/wordle", "."), ("wordle_env", "wordle_env")),
+    # OpenEnv's layout: the environment folder is the context, its server/Dockerfile at the root.
+    "wordle": (("wordle_env", "."), ("spaces/wordle/README.md", "README.md")),
     # A Gradio SDK Space: app.py at the root, the sources imported from beside it.
     "dashboard": (
         ("spaces/dashboard/space_app.py", "app.py"),
@@ -45,26 +60,48 @@ def describe(kind: str) -> str:
     return " + ".join(src for src, _ in CONTEXTS[kind])
 
 
-def stage(kind: str, dest: Path, root: Path = REPO_ROOT) -> Path:
-    """Write the build context of `kind` into `dest` (replaced), return `dest`."""
+def sources(kind: str, root: Path = REPO_ROOT) -> dict[str, Path]:
+    """The context of `kind` as {path in the context: the repository file staged there}."""
     if kind not in CONTEXTS:
         raise LaunchError(f"no Space template {kind!r}; known: {', '.join(sorted(CONTEXTS))}")
+    found: dict[str, Path] = {}
+    for src_rel, dst_rel in CONTEXTS[kind]:
+        src, dst = root / src_rel, PurePosixPath(dst_rel)
+        if not src.exists():
+            raise LaunchError(f"cannot stage the {kind} Space: {src} is missing")
+        if src.is_dir():
+            for path in _tree(src):
+                found[(dst / path.relative_to(src).as_posix()).as_posix()] = path
+        else:
+            found[dst.as_posix()] = src
+    if "Dockerfile" not in found and _SERVER_DOCKERFILE in found:
+        found["Dockerfile"] = found.pop(_SERVER_DOCKERFILE)
+    return dict(sorted(found.items()))
+
+
+def _tree(folder: Path) -> list[Path]:
+    """The files under `folder`, less caches and uv.lock (`_SKIP`), in a fixed order."""
+    files = []
+    for here, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not _skipped(d))
+        files += [Path(here) / n for n in sorted(names) if not _skipped(n)]
+    return files
+
+
+def _skipped(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in _SKIP)
+
+
+def stage(kind: str, dest: Path, root: Path = REPO_ROOT) -> Path:
+    """Write the build context of `kind` into `dest` (replaced), return `dest`."""
+    files = sources(kind, root)
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    for src_rel, dst_rel in CONTEXTS[kind]:
-        src, dst = root / src_rel, dest / dst_rel
-        if not src.exists():
-            raise LaunchError(f"cannot stage the {kind} Space: {src} is missing")
-        if src.is_dir() and dst_rel == ".":
-            for item in sorted(src.iterdir()):
-                if item.is_file():
-                    shutil.copy2(item, dest / item.name)
-        elif src.is_dir():
-            shutil.copytree(src, dst, ignore=_SKIP, dirs_exist_ok=True)
-        else:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst)
+    for rel, src in files.items():
+        dst = dest / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst)
     readme = dest / "README.md"
     if readme.is_file():
         readme.write_text(_with_tag(readme.read_text(), MARKER_TAG))

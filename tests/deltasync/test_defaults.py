@@ -59,4 +59,4 @@ def test_the_wordle_image_sets_the_servers_defaults():
     assert ServerSettings.from_environ(values) == ServerSettings(web=True)
 
 
-WORDLE_DOCKERFILE = REPO / "spaces" / "wordle" / "Dockerfile"
+WORDLE_DOCKERFILE = REPO / "wordle_env" / "server" / "Dockerfile"

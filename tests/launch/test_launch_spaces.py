@@ -172,6 +172,16 @@ def test_fresh_launch_sequence(hub):
         "BUILD_INFO.json",
         "deltasync/__init__.py",
     } <= set(vllm["files"])
+    wordle = state["spaces"]["alice/deltasync-wordle"]  # wordle_env/, its Dockerfile at the root
+    assert {
+        "Dockerfile",
+        "README.md",
+        "pyproject.toml",
+        "openenv.yaml",
+        "BUILD_INFO.json",
+        "server/app.py",
+    } <= set(wordle["files"])
+    assert "server/Dockerfile" not in wordle["files"] and wordle["sdk"] == "docker"
     dashboard = state["spaces"]["alice/deltasync-dashboard"]
     assert dashboard["sdk"] == "gradio" and "deltasync" in dashboard["tags"]
     assert {"app.py", "requirements.txt", "deltasync_dashboard/app.py"} <= set(dashboard["files"])

@@ -10,7 +10,7 @@ import pytest
 from launcher.config import SpacesConfig
 from launcher.errors import LaunchError
 from launcher.plan import SDKS, expected_host, make_plan
-from launcher.staging import _with_tag, stage
+from launcher.staging import REPO_ROOT, _with_tag, sources, stage
 
 
 def _files(folder):
@@ -32,14 +32,15 @@ def _files(folder):
             },
         ),
         (
-            "wordle",
+            "wordle",  # OpenEnv's layout: the environment folder is the context
             {
                 "Dockerfile",
                 "README.md",
                 "pyproject.toml",
-                "wordle_env/__init__.py",
-                "wordle_env/server/app.py",
-                "wordle_env/data/answers.txt",
+                "openenv.yaml",
+                "__init__.py",
+                "server/app.py",
+                "data/answers.txt",
             },
         ),
         (
@@ -65,6 +66,27 @@ def test_context_layout(tmp_path, kind, expected):
     assert f"sdk: {SDKS[kind]}" in readme
     info = json.loads((context / "BUILD_INFO.json").read_text())
     assert info["kind"] == kind and len(info["files_sha256"]) == 64
+
+
+def test_wordle_context_is_the_environment_folder_with_its_dockerfile_at_the_root(tmp_path):
+    """As `openenv push` stages an OpenEnv environment: wordle_env/ as it is, less uv.lock (the
+    image installs with pip), its server/Dockerfile moved to the root, and the Space card."""
+    env = REPO_ROOT / "wordle_env"
+    files = sources("wordle")
+    assert files["Dockerfile"] == env / "server" / "Dockerfile"
+    assert files["pyproject.toml"] == env / "pyproject.toml"
+    assert files["README.md"] == REPO_ROOT / "spaces" / "wordle" / "README.md"
+    assert "server/Dockerfile" not in files and "uv.lock" not in files
+    from_env = {p for k, p in files.items() if k != "README.md"}
+    assert from_env | {env / "uv.lock"} == {
+        p for p in env.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    }
+    context = stage("wordle", tmp_path / "wordle")
+    assert {p.relative_to(context).as_posix() for p in context.rglob("*") if p.is_file()} == {
+        *files,
+        "BUILD_INFO.json",
+    }
+    assert (context / "Dockerfile").read_bytes() == files["Dockerfile"].read_bytes()
 
 
 def test_staging_is_deterministic_and_replaces_old_files(tmp_path):

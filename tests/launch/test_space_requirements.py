@@ -1,11 +1,14 @@
 """Each Docker Space's own pyproject.toml asks for what the repo's pyproject.toml asks for.
 
-A Space's `[tool.deltasync-space]` table says which root requirements apply to it: the root
-`[project] dependencies` or not, which root extras, and which packages its base image provides
-(left unpinned there so the image's build is kept). Every other package must be present with the
-root's exact specifier, and nothing else may be; the Space's own extras must equal the root's of
-the same name. Everything is read from the two files, so a change to the root (a new pin, a split
-into a core and extras) fails here until the Spaces follow.
+A Docker Space's pyproject.toml is the one launcher/staging.py stages at the root of its build
+context: spaces/vllm/pyproject.toml, and wordle_env/pyproject.toml (OpenEnv's layout: the
+environment folder is the Wordle Space's context). Its `[tool.deltasync-space]` table says which
+root requirements apply to it: the root `[project] dependencies` or not, which root extras, and
+which packages its base image provides (left unpinned there so the image's build is kept). Every
+other package must be present with the root's exact specifier, and nothing else may be; the
+Space's own extras must equal the root's of the same name. Everything is read from the two
+files, so a change to the root (a new pin, a split into a core and extras) fails here until the
+Spaces follow.
 """
 
 from __future__ import annotations
@@ -18,9 +21,16 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
+from launcher.staging import CONTEXTS, sources
+
 REPO = Path(__file__).resolve().parents[2]
 ROOT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-SPACE_FILES = sorted((REPO / "spaces").glob("*/pyproject.toml"))
+# kind -> the pyproject.toml at the root of each Docker Space's staged context
+SPACE_FILES = {
+    kind: files["pyproject.toml"]
+    for kind, files in ((kind, sources(kind)) for kind in sorted(CONTEXTS))
+    if "Dockerfile" in files and "pyproject.toml" in files
+}
 
 
 def _by_name(requirements: list[str], where: str) -> dict[str, Requirement]:
@@ -70,11 +80,15 @@ def _same(space: dict[str, Requirement], root: dict[str, Requirement], where: st
 
 
 def test_every_docker_space_with_a_pyproject_is_checked():
-    assert {p.parent.name for p in SPACE_FILES} >= {"vllm", "wordle"}
+    assert set(SPACE_FILES) >= {"vllm", "wordle"}
+    assert SPACE_FILES["wordle"] == REPO / "wordle_env" / "pyproject.toml"
+    unstaged = set((REPO / "spaces").glob("*/pyproject.toml")) - set(SPACE_FILES.values())
+    assert not unstaged, f"no Space builds these (a stale copy?): {sorted(unstaged)}"
 
 
-@pytest.mark.parametrize("path", SPACE_FILES, ids=lambda p: p.parent.name)
-def test_space_pins_what_the_root_pins(path: Path):
+@pytest.mark.parametrize("kind", SPACE_FILES)
+def test_space_pins_what_the_root_pins(kind: str):
+    path = SPACE_FILES[kind]
     data = tomllib.loads(path.read_text())
     where = str(path.relative_to(REPO))
     table = data.get("tool", {}).get("deltasync-space")

@@ -1,9 +1,10 @@
 """Every Space's Dockerfile as users deploy it, checked without a Docker engine: hadolint finds
-nothing; the Space's staged build context (launcher/staging.py) holds every path the Dockerfile
-copies, and what it pip-installs builds from that context into a wheel holding the copied
-packages; the image runs as uid 1000 with a JSON-form healthcheck on the README's port; and the
-vLLM image's user setup, run for real in a sandbox, leaves HOME writable by uid 1000 whether or
-not the base image already has a user with that uid."""
+nothing in each (wherever launcher/staging.py takes it from: spaces/vllm/Dockerfile, and
+wordle_env/server/Dockerfile as in OpenEnv's environments); the Space's staged build context
+holds every path the Dockerfile copies, and what it pip-installs builds from that context into a
+wheel holding the copied packages; the image runs as uid 1000 with a JSON-form healthcheck on the
+README's port; and the vLLM image's user setup, run for real in a sandbox, leaves HOME writable
+by uid 1000 whether or not the base image already has a user with that uid."""
 
 from __future__ import annotations
 
@@ -20,11 +21,18 @@ import pytest
 from docker_context import ContextError, PipInstall, commands, image_of, pip_installs
 from huggingface_hub.repocard import metadata_load
 
-from launcher.staging import CONTEXTS, stage
+from launcher.staging import CONTEXTS, sources, stage
 
 REPO = Path(__file__).resolve().parents[2]
-DOCKERFILES = sorted((REPO / "spaces").glob("*/Dockerfile"))
-KINDS = [p.parent.name for p in DOCKERFILES]
+# kind -> the repository's Dockerfile and README.md staged at the root of that Space's context
+SPACES = {
+    kind: (files["Dockerfile"], files["README.md"])
+    for kind, files in ((kind, sources(kind)) for kind in sorted(CONTEXTS))
+    if "Dockerfile" in files
+}
+KINDS = list(SPACES)
+# Where Dockerfiles live: Space templates, and OpenEnv environments' server/ folders.
+DOCKERFILE_GLOBS = ("spaces/*/Dockerfile", "*/server/Dockerfile")
 
 
 def _hadolint() -> str:
@@ -44,12 +52,16 @@ def _lint(path: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_every_dockerfile_is_a_staged_space():
     assert {"vllm", "wordle"} <= set(KINDS)
-    assert set(KINDS) <= set(CONTEXTS), "a spaces/<kind>/Dockerfile that launch.py never stages"
+    assert SPACES["wordle"][0] == REPO / "wordle_env" / "server" / "Dockerfile"
+    found = {p for pattern in DOCKERFILE_GLOBS for p in REPO.glob(pattern)}
+    staged = {dockerfile for dockerfile, _ in SPACES.values()}
+    assert found, DOCKERFILE_GLOBS
+    assert found <= staged, f"Dockerfiles that launch.py never stages: {sorted(found - staged)}"
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_hadolint_finds_nothing(kind, tmp_path):
-    result = _lint(REPO / "spaces" / kind / "Dockerfile", tmp_path)
+    result = _lint(SPACES[kind][0], tmp_path)
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
 
@@ -100,6 +112,16 @@ def _check_local(image, install: PipInstall, path: str, work: Path) -> list[str]
         return [f"{what}: nothing was copied to {where}"]
     if not (folder / "pyproject.toml").is_file() and not (folder / "setup.py").is_file():
         return [f"{what}: {where} has no pyproject.toml or setup.py"]
+    # OpenEnv's layout: the folder is the package (its package-dir maps it), so the wheel holds
+    # its files under the package's name; else the packages are the folder's subfolders.
+    flat = (folder / "__init__.py").is_file()
+    packages = [folder] if flat else [p for p in folder.iterdir() if (p / "__init__.py").is_file()]
+    copied = {  # before pip builds in the folder (it leaves build/ there)
+        p.relative_to(folder).as_posix()
+        for package in packages
+        for p in package.rglob("*.py")
+        if "__pycache__" not in p.parts and p.relative_to(folder).as_posix() != "setup.py"
+    }
     out = work / "wheel"
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
@@ -110,13 +132,9 @@ def _check_local(image, install: PipInstall, path: str, work: Path) -> list[str]
         return [f"{what}: the package does not build: {build.stderr.strip()[-500:]}"]
     (wheel,) = out.glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    copied = {
-        p.relative_to(folder).as_posix()
-        for package in folder.iterdir()
-        if (package / "__init__.py").is_file()
-        for p in package.rglob("*.py")
-        if "__pycache__" not in p.parts
-    }
+    if flat:  # under any of the wheel's top-level packages
+        tops = {n.split("/")[0] for n in names if n.count("/") == 1 and n.endswith("/__init__.py")}
+        names = {n.split("/", 1)[1] for n in names if n.split("/")[0] in tops}
     missing = sorted(copied - names)
     return [f"{what}: the wheel lacks {missing[:5]} (its packages.find?)"] if missing else []
 
@@ -153,6 +171,23 @@ def test_context_check_finds_each_kind_of_problem(tmp_path):
     assert "nothing was copied to /app/sub" in nothing
     [lacks] = problems("COPY pyproject.toml ./", "COPY pkg ./pkg", "RUN pip install .")
     assert "the wheel lacks ['pkg/__init__.py']" in lacks
+    # OpenEnv's layout: the copied folder is the package; a subpackage left out of its packages
+    (context / "pkg" / "sub").mkdir()
+    (context / "pkg" / "sub" / "__init__.py").write_text("")
+    (context / "pkg" / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "pkg"\nversion = "0"\n'
+        '[tool.setuptools]\npackages = ["pkg"]\npackage-dir = { "pkg" = "." }\n'
+    )
+    [flat] = problems("COPY pkg ./", "RUN pip install .")
+    assert "the wheel lacks ['sub/__init__.py']" in flat
+    (context / "pkg" / "pyproject.toml").write_text(
+        (context / "pkg" / "pyproject.toml")
+        .read_text()
+        .replace('["pkg"]', '["pkg", "pkg.sub"]')
+        .replace('"pkg" = "." }', '"pkg" = ".", "pkg.sub" = "sub" }')
+    )
+    assert problems("COPY pkg ./", "RUN pip install .") == []
 
 
 def _env(cmds, key: str) -> str | None:
@@ -166,12 +201,13 @@ def _env(cmds, key: str) -> str | None:
 def test_runs_as_uid_1000_with_a_json_healthcheck_on_the_readme_port(kind):
     """Spaces run the container as uid 1000; a shell-form healthcheck needs a shell in the image
     and mangles signals; the Hub routes traffic to the README's app_port."""
-    cmds = commands(REPO / "spaces" / kind / "Dockerfile")
+    dockerfile, readme = SPACES[kind]
+    cmds = commands(dockerfile)
     users = [c.value[0] for c in cmds if c.cmd == "USER"]
     assert users and users[-1].split(":")[0] == "1000", users
     [check] = [c for c in cmds if c.cmd == "HEALTHCHECK"]
     assert check.json and check.value[0] == "CMD", check.original
-    port = metadata_load(REPO / "spaces" / kind / "README.md")["app_port"]
+    port = metadata_load(readme)["app_port"]
     exposed = [p.split("/")[0] for c in cmds if c.cmd == "EXPOSE" for p in c.value]
     assert str(port) in exposed
     assert any(f":{port}/" in arg for arg in check.value), "the healthcheck probes another port"

@@ -1,5 +1,6 @@
 """Wordle as an OpenEnv package: OpenEnv's own ``openenv validate`` passes on the folder and on
-running servers, and the folder's pyproject.toml, the Space's and uv.lock describe one package."""
+running servers, the folder's pyproject.toml and uv.lock describe one package, and the Space
+builds that folder (OpenEnv's layout: it is the build context, with server/Dockerfile)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,11 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from launcher.staging import stage
+from launcher.staging import sources, stage
 
 REPO = Path(__file__).resolve().parents[2]
 FOLDER = REPO / "wordle_env"
 PACKAGE = tomllib.loads((FOLDER / "pyproject.toml").read_text())
-SPACE = tomllib.loads((REPO / "spaces/wordle/pyproject.toml").read_text())
 CLI_TIMEOUT_S = 120
 _CACHES = shutil.ignore_patterns("__pycache__", "*.pyc")
 
@@ -59,7 +59,13 @@ def test_openenv_validate_passes_on_a_running_server(
 
 
 def test_the_space_installs_the_same_project() -> None:
-    assert SPACE["project"] == PACKAGE["project"]
+    """The Space's context is this folder: its pyproject.toml, its server/Dockerfile."""
+    staged = sources("wordle")
+    assert staged["pyproject.toml"] == FOLDER / "pyproject.toml"
+    assert staged["Dockerfile"] == FOLDER / "server" / "Dockerfile"
+    assert {staged[name] for name in staged if name not in ("README.md", "Dockerfile")} == {
+        FOLDER / name for name in staged if name not in ("README.md", "Dockerfile")
+    }
     module, _, function = PACKAGE["project"]["scripts"]["server"].partition(":")
     assert getattr(importlib.import_module(module), function).__name__ == "main"
 
@@ -108,7 +114,8 @@ def _wheel(source: Path, out: Path) -> dict[str, bytes]:
 
 @pytest.mark.slow
 def test_folder_and_space_build_the_same_wheel(tmp_path: Path) -> None:
-    """OpenEnv's layout (the folder is the package) and the Space's staged context agree."""
+    """The folder (OpenEnv's layout: it is the package) and the Space's staged context, the
+    folder with the Space card and the Dockerfile at its root, build the same wheel."""
     folder = shutil.copytree(FOLDER, tmp_path / "wordle_env", ignore=_CACHES)  # pip builds in place
     from_folder = _wheel(folder, tmp_path / "folder-wheel")
     from_space = _wheel(stage("wordle", tmp_path / "space"), tmp_path / "space-wheel")

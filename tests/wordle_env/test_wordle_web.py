@@ -127,8 +127,8 @@ def test_without_the_setting_there_is_no_page(server_url: str) -> None:
 
 
 def _dockerfile_instructions() -> list[tuple[str, str]]:
-    """(instruction, arguments) of spaces/wordle/Dockerfile, continuation lines joined."""
-    text = (Path(__file__).resolve().parents[2] / "spaces/wordle/Dockerfile").read_text()
+    """(instruction, arguments) of wordle_env/server/Dockerfile, continuation lines joined."""
+    text = (Path(__file__).resolve().parents[2] / "wordle_env/server/Dockerfile").read_text()
     lines = [line for line in text.replace("\\\n", " ").splitlines() if line.strip()]
     return [
         (word.upper(), rest.strip())
