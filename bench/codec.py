@@ -213,12 +213,12 @@ def _update(
     staged = None
     for r in range(max(1, repeat)):
         c0, t0 = time.process_time(), time.perf_counter()
-        staged = replica.stage(data)
+        staged = replica.stage([(data, None)])
         stage_s, cpu = min(stage_s, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
         if r == 0:
             first = stage_s
     c0, t0 = time.process_time(), time.perf_counter()
-    assert replica.apply(staged)
+    assert replica.commit(staged)
     apply_s, apply_cpu = time.perf_counter() - t0, time.process_time() - c0
     assert replica.version == base + 1
     return first + apply_s, stage_s, apply_s, cpu + apply_cpu

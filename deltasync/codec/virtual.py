@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from deltasync.errors import FormatError
-from deltasync.kernels.slices import Box
+from deltasync.kernels.boxes import Box
 from deltasync.wire.source import ModelSource
 
 __all__ = ["source_differences", "source_tensors", "tensor_files"]

@@ -37,7 +37,7 @@ class Diff:
 
     `changes` holds only tensors with at least one changed element; `digests` covers every tensor
     (the post-update bf16 bytes) so a reader can verify the full state after applying; it is
-    empty for a rank's blocks of sharded parameters, which are no whole tensors.
+    empty for a rank's boxes of sharded parameters, which are no whole tensors.
     """
 
     changes: dict[str, TensorChange]

@@ -14,14 +14,13 @@ import torch
 from deltasync.codec import encode_anchor, encode_delta, encode_virtual_anchor
 from deltasync.codec.virtual import source_differences
 from deltasync.errors import Fenced, FormatError, PublishError, StoreError
+from deltasync.kernels.boxes import Box, box_sums
 from deltasync.kernels.changes import Diff
 from deltasync.kernels.state_hash import apply_changes, state_sums
 from deltasync.publisher.checkpoint_names import CheckpointNames
 from deltasync.publisher.device_snapshot import DeviceSnapshot, detection_device
 from deltasync.publisher.shards import (
-    RowShard,
     ShardGroup,
-    block_sums,
     local_rows,
     part_info,
     replay_rows,
@@ -171,7 +170,7 @@ class Publisher:
         self.config = config
         self._group = shards
         self.shards = shards if shards is not None and shards.size > 1 else None  # parts
-        self._layout: dict[str, RowShard] | None = None
+        self._layout: dict[str, Box] | None = None  # sharded: this rank's rows
         self.last_parts: list[dict[str, float | int]] = []  # per rank (one unsharded), last version
         self._lock = threading.Lock()
         self._snapshot: Bf16Snapshot | DeviceSnapshot | None = None
@@ -259,7 +258,7 @@ class Publisher:
         local, layout = local_rows(source, self.names)
         if self.shards is None:
             return local
-        plain = sorted(n for n, s in layout.items() if not s.sharded)
+        plain = sorted(n for n, b in layout.items() if not b.owner)
         if plain and len(plain) == len(layout):
             raise PublishError(
                 "no parameter is sharded (DDP or one process holds everything): publish from "
@@ -359,8 +358,8 @@ class Publisher:
                     f"run {manifest.run_id} in the bucket holds other parameters than this "
                     "rank's model; resume it with the model it was published from"
                 )
-            tensors = {n: tensors[n][s.start : s.stop].clone() for n, s in layout.items()}
-            sums = block_sums(tensors, layout)
+            tensors = {n: b.take(tensors[n]).clone() for n, b in layout.items()}
+            sums = box_sums(tensors, layout)
         return Bf16Snapshot(tensors), sums
 
     def _run(self) -> None:
@@ -448,7 +447,7 @@ class Publisher:
         diff = job.diff if job.diff is None or layout is None else to_global(job.diff, layout)
         if diff is None or self._sums is None:  # the first version: a full pass, once
             state = state_after(snapshot.tensors, job.diff)
-            sums = state_sums(state) if layout is None else block_sums(state, layout)
+            sums = state_sums(state) if layout is None else box_sums(state, layout)
         else:  # the worker runs versions in order, so `_sums` is the base's
             sums = apply_changes(self._sums, diff.changes)
         digest = total(sums)

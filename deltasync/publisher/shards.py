@@ -1,8 +1,8 @@
 """Sharded trainers: every rank publishes its own rows of each parameter (FSDP2 `Shard(0)`).
 
-FSDP2 (`torch.distributed.fsdp.fully_shard`) leaves each rank a contiguous block of rows of every
-parameter (`DTensor.to_local()`); a row block of a row-major tensor is a contiguous range of flat
-indices, so a rank diffs its block alone and writes its changes at global flat indices, with no
+FSDP2 (`torch.distributed.fsdp.fully_shard`) leaves each rank a box of contiguous rows of every
+parameter (`DTensor.to_local()`); a box of rows of a row-major tensor is a contiguous range of flat
+indices, so a rank diffs its box alone and writes its changes at global flat indices, with no
 all-gather. The ranks of one version meet only to agree that every part is durable
 (`ShardGroup`, a gloo group of the publisher threads' own), and rank 0 commits the manifest.
 A rank that resumes a run of its own layout replays only its own part of each version
@@ -11,9 +11,7 @@ A rank that resumes a run of its own layout replays only its own part of each ve
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -21,8 +19,9 @@ import torch
 
 from deltasync.codec import ParsedFile, PartInfo, decode
 from deltasync.errors import DigestMismatch, FormatError
+from deltasync.kernels.boxes import Box, box_sums
 from deltasync.kernels.changes import Diff, TensorChange, scatter
-from deltasync.kernels.state_hash import apply_changes, tensor_sum
+from deltasync.kernels.state_hash import apply_changes
 from deltasync.publisher.checkpoint_names import CheckpointNames
 from deltasync.publisher.snapshot import NamedTensors, named_tensors
 from deltasync.replica.replay import replay
@@ -30,34 +29,19 @@ from deltasync.store import Store
 from deltasync.wire.digests import StateDigest, total
 from deltasync.wire.manifest import Manifest, fetch_file
 
-__all__ = ["RowShard", "ShardGroup", "block_sums", "local_rows", "replay_rows", "to_global"]
-
-
-@dataclass(frozen=True)
-class RowShard:
-    """Rows `[start, stop)` of a parameter whose full shape is `shape`; `sharded` is False for
-    a plain tensor (every rank holds all of it)."""
-
-    shape: tuple[int, ...]
-    start: int
-    stop: int
-    sharded: bool = True
-
-    @property
-    def offset(self) -> int:
-        """The global flat index of the block's first element."""
-        return self.start * math.prod(self.shape[1:])
+__all__ = ["ShardGroup", "local_rows", "replay_rows", "to_global"]
 
 
 def local_rows(
     source: NamedTensors, names: CheckpointNames | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, RowShard]]:
-    """Each checkpoint tensor's local block and where it sits in the full tensor.
+) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
+    """Each checkpoint tensor's local rows and their box in the full tensor; a plain tensor
+    (every rank holds all of it) is a whole box this rank does not own alone (`owner=False`).
 
     A `DTensor` must be sharded on dim 0 over a 1-D mesh (what `fully_shard` makes); a plain
     tensor is all rows. Raises `FormatError` for any other placement (say which). With `names`,
     in-memory tensors are split into the checkpoint tensors they hold (`CheckpointNames.local`);
-    a checkpoint tensor outside this rank's rows is an empty block.
+    a checkpoint tensor outside this rank's rows is an empty box.
     """
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -67,17 +51,14 @@ def local_rows(
     else:
         items = source.items() if isinstance(source, Mapping) else source
     local: dict[str, torch.Tensor] = {}
-    layout: dict[str, RowShard] = {}
+    layout: dict[str, Box] = {}
     for name, tensor in items:
         shape = tuple(tensor.shape)
         if not isinstance(tensor, DTensor):
             plain = [(name, tensor)] if names is None else names.apply([(name, tensor)])
             for ckpt, view in plain:
                 rows = view.shape[0] if view.dim() else 1
-                local[ckpt], layout[ckpt] = (
-                    view,
-                    RowShard(tuple(view.shape), 0, rows, sharded=False),
-                )
+                local[ckpt], layout[ckpt] = view, Box(tuple(view.shape), (0, rows), owner=False)
             continue
         placements = tuple(tensor.placements)
         if placements != (Shard(0),) or not shape:
@@ -86,25 +67,25 @@ def local_rows(
                 f"(FSDP2 fully_shard); found placements {placements}",
                 tensor=name,
             )
-        block = tensor.to_local()
+        rows_here = tensor.to_local()
         rows, offset = compute_local_shape_and_global_offset(
             tensor.shape, tensor.device_mesh, tensor.placements
         )
         start, stop = offset[0], offset[0] + rows[0]
         if names is None or names.is_identity:
-            # An empty block (torch.chunk leaves the last ranks none) starts where the rows end.
-            local[name], layout[name] = block, RowShard(shape, start, stop)
+            # An empty box (torch.chunk leaves the last ranks none) starts where the rows end.
+            local[name], layout[name] = rows_here, Box(shape, (start, stop))
             continue
-        for ckpt, view, ckpt_shape, first, last in names.local(name, block, start, stop, shape):
-            if view is None:  # another rank's: an empty block where the ranks' rows meet
-                view = block.new_empty((0, *ckpt_shape[1:]))
-            local[ckpt], layout[ckpt] = view, RowShard(tuple(ckpt_shape), first, last)
+        for ckpt, view, ckpt_shape, first, last in names.local(name, rows_here, start, stop, shape):
+            if view is None:  # another rank's: an empty box where the ranks' rows meet
+                view = rows_here.new_empty((0, *ckpt_shape[1:]))
+            local[ckpt], layout[ckpt] = view, Box(tuple(ckpt_shape), (first, last))
     kept = dict(named_tensors(local))  # tied aliases share their local storage too
     return kept, {n: layout[n] for n in kept}
 
 
-def to_global(diff: Diff, layout: Mapping[str, RowShard]) -> Diff:
-    """A diff of local blocks at the full tensors' flat indices and shapes (no digests: no rank
+def to_global(diff: Diff, layout: Mapping[str, Box]) -> Diff:
+    """A diff of this rank's boxes at the full tensors' flat indices and shapes (no digests: no rank
     holds a whole tensor)."""
     changes = {
         name: TensorChange(change.indices + layout[name].offset, change.values, change.previous)
@@ -114,19 +95,12 @@ def to_global(diff: Diff, layout: Mapping[str, RowShard]) -> Diff:
     return Diff(changes, {}, shapes)
 
 
-def part_info(rank: int, size: int, layout: Mapping[str, RowShard]) -> PartInfo:
-    return PartInfo(rank, size, {n: (s.start, s.stop) for n, s in layout.items()})
-
-
-def block_sums(
-    blocks: Mapping[str, torch.Tensor], layout: Mapping[str, RowShard]
-) -> dict[str, StateDigest]:
-    """Each tensor's full-state digest over this rank's rows only (at their global indices)."""
-    return {n: tensor_sum(n, t, start=layout[n].offset) for n, t in blocks.items()}
+def part_info(rank: int, size: int, layout: Mapping[str, Box]) -> PartInfo:
+    return PartInfo(rank, size, {n: b.rows for n, b in layout.items()})
 
 
 def replay_rows(
-    store: Store, manifest: Manifest, layout: Mapping[str, RowShard], rank: int, size: int
+    store: Store, manifest: Manifest, layout: Mapping[str, Box], rank: int, size: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, StateDigest]] | None:
     """This rank's rows at the bucket's latest version, from its own part of each version only
     (no other rank's bytes, no whole tensor in memory); each part is checked against its share
@@ -146,7 +120,7 @@ def replay_rows(
         replay(store, plan, rows, fetch=lambda s, e: fetch_file(s, e.parts[rank]))  # type: ignore[index]
     except _OtherLayout:
         return None
-    return rows.blocks, rows.sums
+    return rows.tensors, rows.sums
 
 
 class _OtherLayout(Exception):
@@ -156,12 +130,12 @@ class _OtherLayout(Exception):
 class _RankRows:
     """A replay's reader for one rank's part of each version (`replica.replay`)."""
 
-    def __init__(self, layout: Mapping[str, RowShard], rank: int):
+    def __init__(self, layout: Mapping[str, Box], rank: int):
         self.layout, self.rank = layout, rank
-        self.rows = {n: (s.start, s.stop) for n, s in layout.items()}
+        self.rows = {n: b.rows for n, b in layout.items()}
         self.shapes = {n: s.shape for n, s in layout.items()}
         self.offsets = {n: s.offset for n, s in layout.items()}
-        self.blocks: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
         self.sums: dict[str, StateDigest] = {}
         self.version: int | None = None
 
@@ -175,17 +149,17 @@ class _RankRows:
         if {n: e.shape for n, e in meta.tensors.items()} != self.shapes:
             raise _OtherLayout
         if meta.kind == "anchor":
-            self.blocks = dict(decode(parsed).tensors)
-            self.sums = block_sums(self.blocks, self.layout)
+            self.tensors = dict(decode(parsed).tensors)
+            self.sums = box_sums(self.tensors, self.layout)
         else:
-            changes = decode(parsed, base=self.blocks, offsets=self.offsets).changes
+            changes = decode(parsed, base=self.tensors, offsets=self.offsets).changes
             moved = {
                 n: TensorChange(c.indices + self.offsets[n], c.values, c.previous)
                 for n, c in changes.items()
             }
             self.sums = apply_changes(self.sums, moved)
             for name, change in changes.items():
-                scatter(self.blocks[name], change.indices, change.values)
+                scatter(self.tensors[name], change.indices, change.values)
         if total(self.sums) != meta.state_digest:
             raise DigestMismatch(
                 "",

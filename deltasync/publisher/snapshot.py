@@ -170,7 +170,7 @@ class Bf16Snapshot:
             pending: diffs already handed to the publisher but not committed yet, oldest first;
                 the result is then relative to the state they lead to, so versions chain while
                 the snapshot itself stays at the last committed version.
-            digests: hash every tensor's new bytes (off for a rank's blocks of sharded
+            digests: hash every tensor's new bytes (off for a rank's boxes of sharded
                 parameters, which are no whole tensors).
 
         Runs over tensors in a small thread pool (the compiled scan and xxhash release the GIL).

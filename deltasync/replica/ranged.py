@@ -1,6 +1,6 @@
-"""Reading only the slices a tensor-parallel worker holds from an anchor: header, then byte ranges.
+"""Reading only the boxes a tensor-parallel worker holds from an anchor: header, then byte ranges.
 
-An anchor is every tensor whole; a worker holding one box of each (`deltasync.kernels.slices`) needs
+An anchor is every tensor whole; a worker holding one box of each (`deltasync.kernels.boxes`) needs
 about 1/TP of it. Each file is read as its header (two ranged reads), then, per tensor, the rows
 that hold the worker's box (a range of rows; for a range of columns, the tensor's rows, as a
 row-major file stores them), with nearby ranges merged into one request. The bytes land at their
@@ -16,31 +16,31 @@ import mmap
 from collections.abc import Callable, Mapping
 
 from deltasync.errors import FormatError
-from deltasync.kernels.slices import Box
+from deltasync.kernels.boxes import Box
 from deltasync.store import Store
 from deltasync.wire.header import parse_header
 from deltasync.wire.manifest import ChainEntry, FileData, PartRef, fetch_entry
 from deltasync.wire.metadata import FileMetadata
 
-__all__ = ["fetch_slices"]
+__all__ = ["fetch_boxes"]
 
 MERGE_GAP = 1 << 20  # ranges this close are read as one request
-Slicer = Callable[[dict[str, tuple[int, ...]]], Mapping[str, Box]]
+BoxesOf = Callable[[dict[str, tuple[int, ...]]], Mapping[str, Box]]
 
 
-def fetch_slices(
-    store: Store, entry: ChainEntry, slicer: Slicer, *, tensors: int | None = None
+def fetch_boxes(
+    store: Store, entry: ChainEntry, boxes_of: BoxesOf, *, tensors: int | None = None
 ) -> FileData:
-    """`manifest.fetch_entry` for a reader holding the boxes `slicer(shapes)`: an anchor's
+    """`manifest.fetch_entry` for a reader holding the boxes `boxes_of(shapes)`: an anchor's
     files by byte range (see the module docstring), a delta's whole (deltas are small).
     `tensors` (the reader's model's tensor count, when known) bounds each header."""
     if entry.kind != "anchor":
         return fetch_entry(store, entry, tensors=tensors)
-    found = tuple(_fetch_file(store, file, slicer, tensors) for file in entry.files)
+    found = tuple(_fetch_file(store, file, boxes_of, tensors) for file in entry.files)
     return found[0] if entry.parts is None else found
 
 
-def _fetch_file(store: Store, file: PartRef, slicer: Slicer, tensors: int | None) -> mmap.mmap:
+def _fetch_file(store: Store, file: PartRef, boxes_of: BoxesOf, tensors: int | None) -> mmap.mmap:
     def read(start: int, end: int) -> bytes:
         return store.get_range(file.path, start, end)
 
@@ -52,7 +52,7 @@ def _fetch_file(store: Store, file: PartRef, slicer: Slicer, tensors: int | None
             f"file's state digest {found} differs from the manifest's {file.state_digest}",
             path=file.path,
         )
-    boxes = slicer({n: e.shape for n, e in meta.tensors.items()})
+    boxes = boxes_of({n: e.shape for n, e in meta.tensors.items()})
     if meta.part is not None:
         boxes = {n: b.clip(*meta.part.rows[n]) for n, b in boxes.items()}
     ranges = []

@@ -2,9 +2,9 @@
 
 Two modes. Streaming (the default) applies one file at a time, so only one file is in memory:
 `verify`, `replay`, `export` and a sharded trainer's resume. All or nothing fetches every
-file first, then prepares and commits them together, so a failure anywhere leaves the reader
-as it was: a replica catching up (`Replica.sync`); a vLLM worker stages (`staged`) while it
-serves and commits later, in the pause.
+file first, then stages and commits them together, so a failure anywhere leaves the reader
+as it was: a replica catching up (`Replica.sync`); a vLLM worker stages while it
+serves (`fetch_all`) and commits later, in the pause.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from deltasync.store import Store
 from deltasync.wire.manifest import ChainEntry, FileData, fetch_entry
 
-__all__ = ["Fetch", "Reader", "replay", "staged"]
+__all__ = ["Fetch", "Reader", "fetch_all", "replay"]
 
 Fetch = Callable[[Store, ChainEntry], FileData]
 
@@ -26,7 +26,7 @@ class Reader(Protocol):
     def update(self, data: FileData, *, path: str | None = None) -> Any: ...
 
 
-def staged(
+def fetch_all(
     store: Store, plan: Iterable[ChainEntry], fetch: Fetch = fetch_entry
 ) -> list[tuple[FileData, str]]:
     """Every file of `plan`, fetched (and size-checked by `fetch`), with its label."""
@@ -44,12 +44,12 @@ def replay(
 ) -> list[int]:
     """Apply the files of `plan` to `reader` in order; returns the versions applied.
 
-    `streaming=False` needs a reader with `prepare` and `commit` (a `Replica`): nothing
+    `streaming=False` needs a reader with `stage` and `commit` (a `Replica`): nothing
     changes unless every file applies. `after` runs after each file in streaming mode (e.g.
     `verify`'s check of a retained anchor against the replay).
     """
     if not streaming:
-        return reader.commit(reader.prepare(staged(store, plan, fetch)))  # type: ignore[attr-defined]
+        return reader.commit(reader.stage(fetch_all(store, plan, fetch)))  # type: ignore[attr-defined]
     applied = []
     for entry in plan:
         reader.update(fetch(store, entry), path=entry.label)

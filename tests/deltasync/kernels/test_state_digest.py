@@ -1,5 +1,5 @@
 """The full-state digest `cubesum-4x31`: its definition, the partitions it composes over (FSDP2
-row shards, vLLM tensor-parallel slices), O(changed) updates, single-element detection, and the
+row shards, vLLM tensor-parallel boxes), O(changed) updates, single-element detection, and the
 compiled CPU kernels against the tensor ops every device runs."""
 
 from __future__ import annotations

@@ -225,14 +225,15 @@ def test_empty_trailing_parts_tile_where_the_rows_end():
 
 
 def _layout(rank):
-    from deltasync.publisher.shards import RowShard
+    from deltasync.kernels.boxes import Box
 
-    return {n: RowShard(SHAPES[n], *rows_of(rank)[n]) for n in SHAPES}
+    return {n: Box(SHAPES[n], rows_of(rank)[n]) for n in SHAPES}
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_rank_replays_its_rows_from_its_own_parts(tmp_path, rank):
-    from deltasync.publisher.shards import block_sums, replay_rows
+    from deltasync.kernels.boxes import box_sums
+    from deltasync.publisher.shards import replay_rows
 
     states = write_sharded_bucket(tmp_path, versions=4)
     store = LocalStore(str(tmp_path))
@@ -241,15 +242,16 @@ def test_a_rank_replays_its_rows_from_its_own_parts(tmp_path, rank):
         assert torch.equal(
             blocks[name].view(torch.int16), states[-1][name][start:stop].view(torch.int16)
         )
-    assert sums == block_sums(blocks, _layout(rank))
+    assert sums == box_sums(blocks, _layout(rank))
 
 
 def test_replaying_rows_of_another_layout_falls_back(tmp_path):
-    from deltasync.publisher.shards import RowShard, replay_rows
+    from deltasync.kernels.boxes import Box
+    from deltasync.publisher.shards import replay_rows
 
     write_sharded_bucket(tmp_path, versions=2)
     store = LocalStore(str(tmp_path))
-    other = {n: RowShard(SHAPES[n], 0, SHAPES[n][0]) for n in SHAPES}
+    other = {n: Box(SHAPES[n], (0, SHAPES[n][0])) for n in SHAPES}
     assert replay_rows(store, read_manifest(store), other, 0, 2) is None
     assert replay_rows(store, read_manifest(store), _layout(0), 0, 4) is None
 

@@ -11,7 +11,7 @@ from test_publisher import _equal
 
 from deltasync.codec import ParsedFile, decode, encode_virtual_anchor
 from deltasync.errors import DigestMismatch, FormatError
-from deltasync.kernels.slices import Box
+from deltasync.kernels.boxes import Box
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.replica.replica import Replica

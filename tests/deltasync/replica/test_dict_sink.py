@@ -62,9 +62,9 @@ def test_delta_is_written_in_place_at_commit_only() -> None:
     replica = Replica()
     replica.update(anchor)
     held = dict(replica.tensors)
-    staged = replica.stage(delta)
+    staged = replica.stage([(delta, None)])
     assert _bits(replica.tensors) == _bits(states[0])  # staging wrote nothing
-    assert replica.apply(staged)
+    assert replica.commit(staged)
     assert _bits(replica.tensors) == _bits(states[1])
     assert all(replica.tensors[n] is held[n] for n in held)  # no copies: the same tensors
 
@@ -73,6 +73,6 @@ def test_anchor_then_deltas_in_one_update_chain_bitwise() -> None:
     states = _states(3)
     files = _files(states)
     replica = Replica()
-    assert replica.commit(replica.prepare([(f, None) for f in files])) == [1, 2, 3, 4]
+    assert replica.commit(replica.stage([(f, None) for f in files])) == [1, 2, 3, 4]
     assert _bits(replica.tensors) == _bits(states[-1])
     assert replica.state_digest == full_state_digest(states[-1])

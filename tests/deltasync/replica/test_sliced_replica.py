@@ -1,4 +1,4 @@
-"""Replicas holding slices (tensor-parallel workers): each applies only its box of every tensor,
+"""Replicas holding boxes (tensor-parallel workers): each applies only its box of every tensor,
 bit for bit, and the version is verified only when the workers' digest shares combine."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from sharded_bucket import SHAPES, write_sharded_bucket
 from bench.tp_slices import CountingStore
 from deltasync.codec import ParsedFile
 from deltasync.errors import DigestMismatch, FormatError
-from deltasync.kernels.slices import Box, check_cover
+from deltasync.kernels.boxes import Box, check_cover
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
-from deltasync.replica.ranged import fetch_slices
+from deltasync.replica.ranged import fetch_boxes
 from deltasync.replica.replica import DictSink, Replica
 from deltasync.store import LocalStore
 from deltasync.wire.digests import total
@@ -31,7 +31,7 @@ def tp_boxes(rank: int, size: int = 2):
     """Boxes as vLLM slices a model: 2-D `*proj`/`mlp` by columns for `o_proj`/`down_proj`,
     by rows for the others (uneven where the rows do not divide); 1-D replicated, owned by 0."""
 
-    def slicer(shapes):
+    def boxes_of(shapes):
         boxes = {}
         for name, shape in shapes.items():
             if len(shape) < 2:
@@ -44,7 +44,7 @@ def tp_boxes(rank: int, size: int = 2):
             boxes[name] = Box(shape, (0, shape[0]), span) if by_cols else Box(shape, span)
         return boxes
 
-    return slicer
+    return boxes_of
 
 
 def workers(size: int = 2) -> list[Replica]:
@@ -58,10 +58,10 @@ def sync_all(replicas: list[Replica], store, target=None, *, ranged=False) -> li
     for replica in replicas:
         plan = manifest.plan(replica.run_id, replica.version, target)
         if ranged:
-            files = [(fetch_slices(store, e, replica.sink.boxes), e.label) for e in plan]
+            files = [(fetch_boxes(store, e, replica.sink.boxes), e.label) for e in plan]
         else:
             files = [(fetch_entry(store, e), e.label) for e in plan]
-        prepared.append(replica.prepare(files))
+        prepared.append(replica.stage(files))
     combined = [total(list(shares)) for shares in zip(*(p.partials for p in prepared), strict=True)]
     applied = [r.commit(p, combined) for r, p in zip(replicas, prepared, strict=True)]
     assert applied[0] == applied[1]
@@ -122,7 +122,7 @@ def test_a_wrong_share_refuses_the_version_on_every_worker(tmp_path):
     sync_all(replicas, store, target=2)
     manifest = read_manifest(store)
     entry = manifest.deltas[-1]
-    prepared = [r.prepare([(fetch_entry(store, entry), entry.label)]) for r in replicas]
+    prepared = [r.stage([(fetch_entry(store, entry), entry.label)]) for r in replicas]
     wrong = prepared[0].partials[0]  # rank 1's share left out
     for replica, update in zip(replicas, prepared, strict=True):
         with pytest.raises(DigestMismatch, match="full-state digest mismatch"):
@@ -162,7 +162,7 @@ def test_a_protocol_1_file_is_refused_by_a_sliced_replica():
     store = LocalStore(str(FIXTURES_1 / "bucket-packed"))
     entry = min(read_manifest(store).anchors, key=lambda a: a.version)
     with pytest.raises(FormatError, match="tensor parallel size 1"):
-        workers()[0].prepare([(fetch_entry(store, entry), entry.path)])
+        workers()[0].stage([(fetch_entry(store, entry), entry.path)])
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["whole", "parts"])
@@ -226,5 +226,5 @@ def test_a_tampered_norm_is_refused_by_the_worker_that_does_not_own_it(tmp_path)
     (tmp_path / entry.path).write_bytes(bytes(data))
     rank1 = workers()[1]
     with pytest.raises(DigestMismatch) as caught:
-        rank1.prepare([(fetch_slices(store, entry, rank1.sink.boxes), entry.label)])
+        rank1.stage([(fetch_boxes(store, entry, rank1.sink.boxes), entry.label)])
     assert caught.value.tensor == "model.norm.weight"

@@ -76,7 +76,7 @@ def _publisher(store, encoding="packed", interval=4):
 
 
 def _apply(replica: Replica, store, path: str) -> bool:
-    return replica.apply(replica.stage(store.get(path), path=path))
+    return replica.update(store.get(path), path=path)
 
 
 def test_layout_read_off_the_loader_places_fused_shards():
@@ -129,7 +129,7 @@ def test_delta_writes_only_the_changed_elements(bucket, monkeypatch):
         _apply(replica, bucket, anchor.anchor_path)
         _step(trainer, 1e-3, 1)
         record = publisher.publish(trainer).result(timeout=60)
-    staged = replica.stage(bucket.get(record.delta_path))
+    staged = replica.stage([(bucket.get(record.delta_path), None)])
     written, copied = [], []
     index_copy, copy = torch.Tensor.index_copy_, torch.Tensor.copy_
     monkeypatch.setattr(
@@ -140,7 +140,7 @@ def test_delta_writes_only_the_changed_elements(bucket, monkeypatch):
     monkeypatch.setattr(
         torch.Tensor, "copy_", lambda t, *a, **k: copied.append(t.numel()) or copy(t, *a, **k)
     )
-    replica.apply(staged)
+    replica.commit(staged)
     monkeypatch.undo()
     assert 0 < sum(written) == record.changed_elements < record.total_elements // 2
     assert copied == []  # no whole-tensor copies: O(changed elements)
@@ -156,7 +156,7 @@ def test_stage_changes_nothing_and_checks_digests(bucket):
         record = publisher.publish(trainer).result(timeout=60)
     before = {n: p.detach().clone() for n, p in standin.named_parameters()}
     data = bucket.get(record.delta_path)
-    staged = replica.stage(data)
+    staged = replica.stage([(data, None)])
     assert all(torch.equal(before[n], p) for n, p in standin.named_parameters())
     # The served weights drifted from the file's base: refused before anything is written.
     name = "model.layers.1.self_attn.v_proj.weight"
@@ -165,7 +165,7 @@ def test_stage_changes_nothing_and_checks_digests(bucket):
     views[name].view(-1)[0] += 1.0  # writes into the fused qkv_proj parameter
     assert standin.model.layers[1].self_attn.qkv_proj.weight[96, 0] == views[name][0, 0]
     with pytest.raises(DigestMismatch, match="v_proj") as info:
-        replica.stage(data)
+        replica.stage([(data, None)])
     assert "without a delta" in str(info.value)
     assert replica.version is None  # it holds no known version: the next update reloads
     assert torch.equal(standin.model.layers[1].self_attn.qkv_proj.weight[96, 0], views[name][0, 0])
@@ -184,7 +184,7 @@ def test_failed_commit_undoes_the_deltas_already_written(bucket, monkeypatch):
             paths.append(record.delta_path or record.anchor_path)
     _apply(replica, bucket, paths[0])
     before = {n: p.detach().clone() for n, p in standin.named_parameters()}
-    prepared = replica.prepare([(bucket.get(p), p) for p in paths[1:]])
+    prepared = replica.stage([(bucket.get(p), p) for p in paths[1:]])
     writes_per_delta = len(prepared.files[0].decoded.changes)
     calls = []
     index_copy = torch.Tensor.index_copy_
@@ -215,6 +215,6 @@ def test_first_anchor_that_does_not_fit_the_model_is_refused(bucket):
     with _publisher(bucket) as publisher:
         anchor = publisher.publish(trainer).result(timeout=60).anchor_path
     with pytest.raises(FormatError, match="does not fit"):
-        replica.stage(bucket.get(anchor))
+        replica.stage([(bucket.get(anchor), None)])
     assert replica.version is None
     assert all(torch.equal(before[n], p) for n, p in standin.named_parameters())

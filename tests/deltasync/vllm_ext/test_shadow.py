@@ -51,7 +51,7 @@ def setup(tmp_path):
 
 def _update(replica, store, *paths):
     """Prepare (off the pause) and commit (the pause) the files at `paths`."""
-    return replica.commit(replica.prepare([(store.get(p), p) for p in paths]))
+    return replica.commit(replica.stage([(store.get(p), p) for p in paths]))
 
 
 def test_touched_fused_groups_reload_whole(setup):

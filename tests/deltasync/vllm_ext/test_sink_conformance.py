@@ -223,7 +223,7 @@ def _run(chain: Chain, make) -> list[tuple[str, object, int | None]]:
         try:
             with _vllm_context(replica):
                 result: object = replica.commit(
-                    replica.prepare([(chain.files[k], k) for k in step.files])
+                    replica.stage([(chain.files[k], k) for k in step.files])
                 )
         except (ChainError, DigestMismatch, FormatError) as exc:
             result = type(exc)

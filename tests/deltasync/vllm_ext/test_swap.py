@@ -14,7 +14,7 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm as dispatch
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-from deltasync.kernels.slices import Box
+from deltasync.kernels.boxes import Box
 from deltasync.vllm_ext.apply.layout import Layout, Placement
 from deltasync.vllm_ext.apply.swap import CpuGemmSwapper
 
@@ -34,7 +34,7 @@ FUSED = {"self_attn.qkv_proj": "qkv", "mlp.gate_up_proj": ("gate", "up")}
 
 
 def layout(shapes) -> Layout:
-    """vLLM's Qwen3 layout of SHAPES, as `placement.derive_layout` reads it off the loaders:
+    """vLLM's Qwen3 layout of SHAPES, as `layout.derive_layout` reads it off the loaders:
     fused members stacked in q, k, v and gate, up order, the embedding padded to PADDED rows."""
     out = Layout()
     for fused, members in FUSED.items():
@@ -132,8 +132,8 @@ def test_swap_equals_a_reload_and_prepare_changes_nothing(gemm_path):
     model = load(old)
     swapper = CpuGemmSwapper(model, layout, dispatch)
     before = outputs(model)
-    prepared = swapper.prepare(new, set(new))
-    assert set(prepared.modules) == {
+    packed = swapper.pack(new, set(new))
+    assert set(packed.modules) == {
         "model.embed_tokens",
         "model.layers.0.input_layernorm",
         "model.layers.0.self_attn.qkv_proj",
@@ -141,7 +141,7 @@ def test_swap_equals_a_reload_and_prepare_changes_nothing(gemm_path):
         "lm_head",
     }
     assert_same(outputs(model), before)  # preparing never touches the serving model
-    undo = swapper.swap(prepared)
+    undo = swapper.swap(packed)
     assert_same(outputs(model), outputs(load(new)))
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
     qkv = model.model.layers[0].self_attn.qkv_proj.weight
@@ -159,9 +159,9 @@ def test_only_touched_modules_are_prepared_and_partners_kept(gemm_path):
     new = {**old, name: old[name] * 2}
     model = load(old)
     swapper = CpuGemmSwapper(model, layout, dispatch)
-    prepared = swapper.prepare(new, {name})
-    assert list(prepared.modules) == ["model.layers.0.self_attn.qkv_proj"]
-    swapper.swap(prepared)
+    packed = swapper.pack(new, {name})
+    assert list(packed.modules) == ["model.layers.0.self_attn.qkv_proj"]
+    swapper.swap(packed)
     assert_same(outputs(model), outputs(load(new)))
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from deltasync.errors import FormatError
-from deltasync.kernels.slices import check_cover
+from deltasync.kernels.boxes import check_cover
 from deltasync.kernels.state_hash import full_state_digest
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
@@ -176,7 +176,7 @@ def _sync(replicas: list[Replica], store) -> list[int]:
     prepared = []
     for replica in replicas:
         plan = manifest.plan(replica.run_id, replica.version)
-        prepared.append(replica.prepare([(fetch_entry(store, e), e.label) for e in plan]))
+        prepared.append(replica.stage([(fetch_entry(store, e), e.label) for e in plan]))
     combined = [total(list(s)) for s in zip(*(p.partials for p in prepared), strict=True)]
     return [r.commit(p, combined) for r, p in zip(replicas, prepared, strict=True)][-1]
 

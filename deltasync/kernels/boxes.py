@@ -1,6 +1,7 @@
-"""The slice of each tensor a tensor-parallel worker holds, in the checkpoint's coordinates.
+"""A box: the piece of a tensor a reader or writer holds, in the checkpoint's coordinates.
 
-A worker of a TP-sharded model holds, of each HF tensor `[out, in]`, a box: a range of rows
+A trainer rank under FSDP2 holds a box of whole rows of every tensor (`publisher.shards`). A
+worker of a TP-sharded model holds, of each HF tensor `[out, in]`, a box: a range of rows
 (column-parallel linears, fused members, vocab shards) or a range of columns (row-parallel
 linears), or all of it (norms, replicated on every worker). A worker that holds a box applies
 only the changes inside it: a delta's global flat indices are mapped to the box's own row-major
@@ -8,7 +9,7 @@ indices (`localize`), and its share of the full-state digest is summed at the el
 indices, so the workers' shares add up to the version's digest. Elements held by several
 workers (replicated norms, KV heads replicated when TP exceeds their count) count once: only the
 box marked `owner` adds them. Pure torch and numpy: the boxes come from the serving engine
-(`vllm_ext.placement`, read off each worker's loaders), everything else here is tested
+(`vllm_ext.apply.layout`, read off each worker's loaders), everything else here is tested
 without one.
 """
 
@@ -64,6 +65,11 @@ class Box:
         return int(np.prod(self.shape[1:], dtype=np.int64))
 
     @property
+    def offset(self) -> int:
+        """The global flat index of the box's first element (a box of whole rows)."""
+        return self.rows[0] * self.row_numel
+
+    @property
     def width(self) -> int:
         """Elements per row inside the box."""
         return self.row_numel if self.cols is None else self.cols[1] - self.cols[0]
@@ -93,7 +99,7 @@ class Box:
         return out if self.cols is None else out[:, self.cols[0] : self.cols[1]].contiguous()
 
     def clip(self, start: int, stop: int) -> Box:
-        """This box seen from the block of rows `[start, stop)` (a trainer rank's part)."""
+        """This box seen from the box of rows `[start, stop)` (a trainer rank's part)."""
         r0 = min(max(self.rows[0], start), stop) - start
         r1 = min(max(self.rows[1], start), stop) - start
         return Box((stop - start, *self.shape[1:]), (r0, max(r0, r1)), self.cols, self.owner)
@@ -131,12 +137,12 @@ def held_indices(
 ) -> tuple[np.ndarray, np.ndarray | slice | None]:
     """A tensor's changes (ascending global flat indices) as the reader holds them, and which
     were kept: inside `box` at the box's flat indices (a tensor-parallel worker), or relative to
-    the row block starting at flat `offset`, where every change must lie (a trainer rank)."""
+    the box of rows starting at flat `offset`, where every change must lie (a trainer rank)."""
     if box is not None:
         return box.localize(indices)
     if offset:
         if indices.size and indices[0] < offset:
-            raise FormatError(f"indices before the block starting at {offset}")
+            raise FormatError(f"indices before the box starting at {offset}")
         return indices - offset, None
     return indices, None
 
@@ -195,7 +201,7 @@ def check_cover(boxes_by_worker: list[Boxes], shapes: Mapping[str, tuple[int, ..
         numel = int(np.prod(shape, dtype=np.int64))
         meet = any(_meet(a, b) for i, a in enumerate(owned) for b in owned[i + 1 :])
         if meet or sum(b.numel for b in owned) != numel:
-            raise FormatError("the workers' slices do not cover it exactly once", tensor=name)
+            raise FormatError("the workers' boxes do not cover it exactly once", tensor=name)
 
 
 def _meet(a: Box, b: Box) -> bool:
