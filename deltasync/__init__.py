@@ -5,16 +5,9 @@ loads no torch: the bucket side (errors, stores, manifest, file headers) is torc
 tensor side (`Publisher`, `Replica`, `Bf16Snapshot`, ...) loads on first use, so the dashboard and
 `python -m deltasync inspect` run without torch installed.
 
-The layers, each a folder that imports only from those below it (tests/deltasync/test_layers.py):
-
-    errors, arguments, defaults   0  stdlib only
-    store/                        1  buckets: local folders, S3, Hub buckets, retries
-    wire/                         2  the bucket's format, torch-free (bucket_layout.md)
-    kernels/                      3  numeric kernels on tensors
-    codec/                        4  anchor and delta files
-    publisher/, replica/          5  the trainer's side and the reading side
-    vllm_ext/                     6  the vLLM server, worker extension and client
-    tools/                        7  the command line (`python -m deltasync`)
+Its folders are layers, each importing only from those below it: `store/`, `wire/`, `kernels/`,
+`codec/`, `publisher/` and `replica/`, `vllm_ext/`, `tools/` (README's layout table; checked by
+tests/deltasync/test_layers.py).
 """
 
 from __future__ import annotations

@@ -136,9 +136,6 @@ class Plan:
     def replicas(self) -> tuple[SpaceSpec, ...]:
         return tuple(s for s in self.spaces if s.kind == "vllm")
 
-    def env_space(self) -> SpaceSpec | None:
-        return next((s for s in self.spaces if s.kind == "wordle"), None)
-
 
 def space_roles(replicas: int, env: str) -> list[tuple[str, str]]:
     """(role, kind) of every Space: the replicas, the Wordle env when used, the dashboard."""

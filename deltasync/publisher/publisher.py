@@ -396,7 +396,13 @@ class Publisher:
         """Write this publisher's files of the version, agree with the other ranks (when
         sharded), commit, then record. Unsharded, the publisher is a group of one."""
         queued_s = time.time() - job.enqueued_at
-        mine, sums = self._write_or_report(job)
+        try:
+            mine, sums = self._write(job)
+        except Exception as exc:  # sharded: reported to every rank, so that none commits it
+            if self.shards is None:
+                raise
+            log.error("rank %d: version %d: %s", self.shards.rank, job.version, exc)
+            mine, sums = _Written(job.version, error=f"rank {self.shards.rank}: {exc}"), None
         written = self._agree(job, mine)
         deltas = [w.delta for w in written if w.delta]
         anchors = [w.anchor for w in written if w.anchor]
@@ -423,17 +429,6 @@ class Publisher:
             uploaded = {p.path for w in written for p in (w.delta, w.anchor) if p}
             self._after_commit(record, previous, manifest, uploaded)
         return record
-
-    def _write_or_report(self, job: _Job) -> tuple[_Written, dict[str, StateDigest] | None]:
-        """Sharded, a rank's failure is reported to every rank (so that none commits the
-        version) instead of raised here."""
-        if self.shards is None:
-            return self._write(job)
-        try:
-            return self._write(job)
-        except Exception as exc:
-            log.error("rank %d: version %d: %s", self.shards.rank, job.version, exc)
-            return _Written(job.version, error=f"rank {self.shards.rank}: {exc}"), None
 
     def _write(self, job: _Job) -> tuple[_Written, dict[str, StateDigest]]:
         """Encode and upload this publisher's delta of the version (its rows of it when

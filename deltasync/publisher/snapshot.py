@@ -138,8 +138,8 @@ def digests_after(tensors: Mapping[str, torch.Tensor], diff: Diff) -> dict[str, 
 class Bf16Snapshot:
     """The last published bf16 state, the base every delta is computed against.
 
-    The snapshot only moves through `advance` (after a publish commits) or `reset` (anchor), so a
-    failed publish never moves the base under the next delta.
+    The snapshot only moves through `advance`, after a publish commits, so a failed publish never
+    moves the base under the next delta (a takeover or restart builds a new one from the bucket).
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]):

@@ -1,4 +1,8 @@
-"""Bucket stores: `open_store(url)` picks a folder, a Hub bucket or any fsspec URL."""
+"""Layer 1, bucket stores: `open_store(url)` picks a folder, a Hub bucket or any fsspec URL.
+
+One small interface (`base.Store`), one module per backend; path checks, bounded reads and
+retries live here. May import `deltasync.errors` only; torch-free.
+"""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ from deltasync.errors import (
 from deltasync.replica.replay import replay
 from deltasync.store import Store, open_store
 from deltasync.wire.garbage import find_unreferenced
-from deltasync.wire.manifest import ChainEntry, fetch_entry, read_manifest
+from deltasync.wire.manifest import ChainEntry, Manifest, fetch_entry, read_manifest
 
 __all__ = ["main"]
 
@@ -53,6 +53,15 @@ def _existing_bucket(url: str) -> Store:
                 f"no bucket folder at {url}" + (" (it is a file)" if folder.exists() else "")
             )
     return open_store(url)
+
+
+def _published(url: str) -> tuple[Store, Manifest]:
+    """An existing bucket with something committed, and its manifest."""
+    store = _existing_bucket(url)
+    manifest = read_manifest(store)
+    if manifest is None:
+        raise FormatError("bucket has no manifest (nothing published yet)", path=url)
+    return store, manifest
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -104,10 +113,7 @@ def _verify(args: argparse.Namespace) -> int:
     Replica = import_tensor_side("deltasync.replica.replica").Replica
     full_state_digest = import_tensor_side("deltasync.kernels.state_hash").full_state_digest
 
-    store = _existing_bucket(args.bucket)
-    manifest = read_manifest(store)
-    if manifest is None:
-        raise FormatError("bucket has no manifest (nothing published yet)", path=args.bucket)
+    store, manifest = _published(args.bucket)
     oldest, *later_anchors = sorted(manifest.anchors, key=lambda a: a.version)
     replica = Replica()
     anchors = {a.version: a for a in later_anchors}
@@ -164,10 +170,7 @@ def _replay(args: argparse.Namespace) -> int:
     encode_anchor = import_tensor_side("deltasync.codec.files").encode_anchor
     Replica = import_tensor_side("deltasync.replica.replica").Replica
 
-    store = _existing_bucket(args.bucket)
-    manifest = read_manifest(store)
-    if manifest is None:
-        raise FormatError("bucket has no manifest (nothing published yet)", path=args.bucket)
+    store, manifest = _published(args.bucket)
     version = manifest.latest_version if args.version is None else args.version
     plan = manifest.plan(None, None, version)
     replica = Replica()

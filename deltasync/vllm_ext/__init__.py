@@ -1,7 +1,12 @@
-"""vLLM 0.32 integration: a weight-transfer backend that follows a deltasync bucket.
+"""Layer 6, vLLM 0.32 integration: a weight-transfer backend that follows a deltasync bucket.
+
+Four processes' code, by folder: `server/` runs in the serve parent (`serve`, torch-free) and in
+vLLM's API server (`auth`, `control`, `follow`, `protocol`); `worker`, `engine` and `apply/` run
+in every vLLM worker; `client` runs in the trainer. May import every layer below.
 
 Nothing here imports vLLM at package import; `deltasync.vllm_ext.worker` does, and registers the
 `deltasync` backend as it loads (vLLM imports it in every worker via `--worker-extension-cls`).
+`serve` and `auth` here are the stable paths of `server.serve` and `server.auth`.
 """
 
 BACKEND = "deltasync"

@@ -71,10 +71,6 @@ class SafetensorsHeader:
     tensors: dict[str, TensorInfo]
     data_offset: int
 
-    @property
-    def data_bytes(self) -> int:
-        return max((t.end for t in self.tensors.values()), default=0)
-
 
 def header_budget(tensors: int | None) -> int:
     """The largest header a file of a model with `tensors` tensors can need (None: unknown,
