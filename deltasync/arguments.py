@@ -9,7 +9,9 @@ import argparse
 import ipaddress
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 __all__ = [
@@ -44,74 +46,34 @@ def _number(text: str, kind: type) -> float:
     return value
 
 
-def count(text: str) -> int:
-    """An integer >= 1 (steps, versions, replicas, repeats, ranks)."""
-    value = int(_number(text, int))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _bounded(kind: type, ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse type: a number of `kind` for which `ok` holds, else "expected ..."."""
+
+    def parse(text: str) -> Any:
+        value = kind(_number(text, kind))
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+
+    return parse
 
 
-def whole(text: str) -> int:
-    """An integer >= 0 (how many faults to inject)."""
-    value = int(_number(text, int))
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def port(text: str) -> int:
-    """A TCP port a server can listen on (1-65535)."""
-    value = int(_number(text, int))
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {value}")
-    return value
-
-
-def positive(text: str) -> float:
-    """A number > 0 (timeouts, intervals)."""
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return value
-
-
-def zstd_level(text: str) -> int:
-    value = int(_number(text, int))
-    if not 1 <= value <= 22:
-        raise argparse.ArgumentTypeError(f"expected a zstd level in 1..22, got {value}")
-    return value
-
-
-def non_negative(text: str) -> float:
-    """A number >= 0 (delays)."""
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """A share strictly between 0 and 1 (densities)."""
-    value = _number(text, float)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text}")
-    return value
-
-
-def rate(text: str) -> float:
-    """A probability in [0, 1) (fault rates: 1 would never let an operation through)."""
-    value = _number(text, float)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
-    return value
-
-
-def learning_rate(text: str) -> float:
-    value = _number(text, float)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"expected a learning rate in (0, 1), got {text}")
-    return value
+# steps, versions, replicas, repeats, ranks
+count = _bounded(int, lambda v: v >= 1, "an integer >= 1")
+# how many faults to inject
+whole = _bounded(int, lambda v: v >= 0, "an integer >= 0")
+# a TCP port a server can listen on
+port = _bounded(int, lambda v: 1 <= v <= 65535, "a port in 1..65535")
+zstd_level = _bounded(int, lambda v: 1 <= v <= 22, "a zstd level in 1..22")
+# timeouts, intervals
+positive = _bounded(float, lambda v: v > 0, "a number > 0")
+# delays
+non_negative = _bounded(float, lambda v: v >= 0, "a number >= 0")
+# a share strictly between 0 and 1 (densities)
+fraction = _bounded(float, lambda v: 0 < v < 1, "a number in (0, 1)")
+# a probability in [0, 1) (fault rates: 1 would never let an operation through)
+rate = _bounded(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+learning_rate = _bounded(float, lambda v: 0 < v < 1, "a learning rate in (0, 1)")
 
 
 def torch_device(text: str) -> str:
