@@ -95,6 +95,23 @@ def test_every_import_runs_down_the_layers():
     assert upward == []
 
 
+def test_the_server_imports_nothing_of_the_worker_side():
+    """vllm_ext/server/ runs in the serve parent (before vLLM loads) and the API server."""
+    worker_side = (
+        "deltasync.vllm_ext.engine",
+        "deltasync.vllm_ext.worker",
+        "deltasync.vllm_ext.apply",
+    )
+    found = [
+        f"{source} imports {target}"
+        for source, targets in sorted(graph().items())
+        if source.startswith("deltasync.vllm_ext.server")
+        for target in sorted(targets)
+        if target.startswith(worker_side)
+    ]
+    assert found == []
+
+
 def test_no_module_imports_the_facade():
     users = sorted(s for s, targets in graph().items() if "deltasync" in targets)
     assert users == ["deltasync.__main__"] or users == []
