@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -180,3 +181,21 @@ def test_bad_follow_settings_are_one_line_errors(monkeypatch, capsys, argv, env,
     with pytest.raises(SystemExit) as info:
         main(["--model", "m", *argv])
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        AUTH_MIDDLEWARE,
+        LOOPBACK_MIDDLEWARE,
+        "deltasync.vllm_ext.auth.BearerAuthMiddleware",  # the path before server/ (a shim)
+        "deltasync.vllm_ext.auth.LoopbackMiddleware",
+    ],
+)
+def test_every_middleware_path_vllm_may_be_given_resolves(path):
+    """vLLM imports `--middleware` by dotted path; the old paths resolve to the same classes."""
+    from deltasync.vllm_ext.server import auth
+
+    module, name = path.rsplit(".", 1)
+    found = getattr(importlib.import_module(module), name)
+    assert found is getattr(auth, name)
