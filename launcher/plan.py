@@ -35,6 +35,8 @@ TOKEN_SECRET = "HF_TOKEN"
 # The Space SDK of each template (spaces/<kind>/README.md's front matter says the same).
 SDKS = {"vllm": "docker", "wordle": "docker", "dashboard": "gradio"}
 API_KEY_SECRET = "DELTASYNC_API_KEY"
+# The Wordle Space's key for /ws, /reset and /step (the same value as the replicas' key).
+ENV_KEY_SECRET = "ENV_API_KEY"
 # What a dry run without a login names things under (unless --namespace says).
 PLACEHOLDER_NAMESPACE = "your-namespace"
 # The launch.py option that sets each kind's hardware (named in errors).
@@ -177,7 +179,8 @@ def make_plan(cfg: SpacesConfig, namespace: str, gpu: frozenset[str] = frozenset
             )
         elif kind == "wordle":
             repo_id = f"{namespace}/{cfg.name}-{role}"
-            spec = SpaceSpec(role, kind, repo_id, cfg.env_flavor, False, (), (), template)
+            secrets = (ENV_KEY_SECRET,)  # public, so only the trainer may play on it
+            spec = SpaceSpec(role, kind, repo_id, cfg.env_flavor, False, (), secrets, template)
         else:
             # the dashboard shows every replica's version, lag and pause from its open /health
             hosts = [

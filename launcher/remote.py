@@ -42,6 +42,8 @@ def run_spaces(cfg: SpacesConfig, hf: HfCli, echo: Callable[[str], None] = print
     cmd = spaces_trainer_command(cfg, dep)
     # With $DELTASYNC_API_KEY set there is no key file: the variable is already in the shell.
     key_hint = f"DELTASYNC_API_KEY=$(cat {dep.api_key_file}) " if dep.api_key_file else ""
+    if key_hint and env_kind(cfg.env) == "wordle":  # the Wordle Space wants the same key
+        key_hint += f"ENV_API_KEY=$(cat {dep.api_key_file}) "
     if hf.dry_run or not cfg.train:
         echo("train with:" if not hf.dry_run else "would train with:")
         echo(f"  $ {key_hint}{shown(cmd)}")
@@ -49,6 +51,7 @@ def run_spaces(cfg: SpacesConfig, hf: HfCli, echo: Callable[[str], None] = print
     echo(f"training: {shown(cmd)}")
     env = {
         "DELTASYNC_API_KEY": dep.api_key,
+        **({"ENV_API_KEY": dep.api_key} if env_kind(cfg.env) == "wordle" else {}),
         "TRL_EXPERIMENTAL_SILENCE": "1",
         **class_path_env(env_kind(cfg.env)),
     }

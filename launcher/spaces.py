@@ -23,6 +23,7 @@ from .errors import LaunchError, NameTaken, NotLoggedIn
 from .hf import HfCli
 from .plan import (
     API_KEY_SECRET,
+    ENV_KEY_SECRET,
     FLAVOR_OPTIONS,
     MARKER_TAG,
     PLACEHOLDER_NAMESPACE,
@@ -101,7 +102,9 @@ def deploy(cfg: SpacesConfig, hf: HfCli, echo: Callable[[str], None] = print) ->
         hardware.check(FLAVOR_OPTIONS[spec.kind], spec.flavor)
     piped = {spec.repo_id: _piped(spec, cfg) for spec in plan.spaces}
     key, key_file = _api_key(cfg, account.namespace, dry_run=hf.dry_run)
-    hf.env[API_KEY_SECRET] = key  # `-s DELTASYNC_API_KEY` reads it from here, never from argv
+    # `-s DELTASYNC_API_KEY` (and the Wordle Space's `-s ENV_API_KEY`) read it from here, never
+    # from argv
+    hf.env[API_KEY_SECRET] = hf.env[ENV_KEY_SECRET] = key
     echo(f"bucket {plan.bucket_url}")
     probe = account.user is not None
     _bucket(hf, plan.bucket_id, cfg.private, probe=probe, echo=echo)

@@ -4,9 +4,9 @@
 server URL, or `package.module:Class`. A URL is inspected (`openenv_inspect`): TextArena-shaped
 servers get the `act` tool, MCP-tool servers one tool per server tool (`mcp_tools`). A class is
 imported from the current folder or PYTHONPATH (TRL's spawned rollout worker inherits both);
-its `__init__` gets `base_url=--env-url` when it takes one. The pre-flight builds one session,
-checks the action shape, resets it and renders every tool as TRL will, so a mismatch is a
-one-line error now instead of a run of zero rewards.
+its `__init__` gets `base_url=--env-url` (and `api_key=--env-api-key`) when it takes them.
+The pre-flight builds one session, checks the action shape, resets it and renders every tool
+as TRL will, so a mismatch is a one-line error now instead of a run of zero rewards.
 """
 
 from __future__ import annotations
@@ -73,30 +73,36 @@ def _load_class(ref: str) -> type:
     return cls
 
 
-def _class_spec(env: str, cls: type, env_url: str) -> EnvSpec:
-    takes_url = "base_url" in inspect.signature(cls).parameters
-    factory = functools.partial(cls, base_url=env_url) if takes_url else cls
+def _class_spec(env: str, cls: type, env_url: str, api_key: str | None) -> EnvSpec:
+    takes = inspect.signature(cls).parameters
+    given = {"base_url": env_url, "api_key": api_key}
+    given = {k: v for k, v in given.items() if k in takes and v is not None}
+    factory = functools.partial(cls, **given) if given else cls
     inherited = issubclass(cls, OpenEnvSession) and cls.get_reward is OpenEnvSession.get_reward
     reward = _LAST_REWARD if inherited else f"{cls.__qualname__}.get_reward()"
     prompt = getattr(cls, "prompt", None) or "Use your tools until the task is done."
     return EnvSpec(env, factory, prompt, reward)
 
 
-def resolve(env: str, env_url: str) -> EnvSpec:
-    """The session factory of `--env` (a server URL is inspected; a class is imported)."""
+def resolve(env: str, env_url: str, api_key: str | None = None) -> EnvSpec:
+    """The session factory of `--env` (a server URL is inspected; a class is imported).
+
+    `api_key` goes only to that server (`--env-url` or the URL in `--env`), and to a class only
+    when its `__init__` takes `api_key`.
+    """
     if CLASS_REF.fullmatch(env):
-        return _class_spec(env, _load_class(env), env_url)
+        return _class_spec(env, _load_class(env), env_url, api_key)
     if env in ENVIRONMENTS and env != "openenv":
-        return _class_spec(env, ENVIRONMENTS[env], env_url)
+        return _class_spec(env, ENVIRONMENTS[env], env_url, api_key)
     url = env_url if env == "openenv" else env
-    info = inspect_server(url)
+    info = inspect_server(url, api_key=api_key)
     if not info.tools:
-        return _class_spec(env, ENVIRONMENTS["openenv"], url)
+        return _class_spec(env, ENVIRONMENTS["openenv"], url, api_key)
     names = ", ".join(t.name for t in info.tools)
     about = info.description or f"The {info.name or 'OpenEnv'} environment."
     return EnvSpec(
         env,
-        functools.partial(mcp_session, url, info.tools, info.name),
+        functools.partial(mcp_session, url, info.tools, info.name, api_key),
         f"{about}\nUse the tools ({names}) until the task is done.",
         "the sum of the server's `reward` over the episode's steps",
     )

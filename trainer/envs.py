@@ -42,8 +42,9 @@ class OpenEnvSession:
 
     prompt = "Play the game with your tools until it is over."
 
-    def __init__(self, base_url: str):
+    def __init__(self, base_url: str, api_key: str | None = None):
         self.base_url = base_url
+        self.api_key = api_key
         self._client: Any = None
         self._seen = ""
         self.reward = 0.0
@@ -61,10 +62,10 @@ class OpenEnvSession:
         return new
 
     def reset(self, **row: Any) -> str:
-        from openenv.core.generic_client import GenericEnvClient
+        from .env_client import env_client
 
         self._close()
-        self._client = GenericEnvClient(base_url=self.base_url).sync()
+        self._client = env_client(self.base_url, self.api_key).sync()
         self._client.connect()
         self._seen, self.reward, self.done = "", 0.0, False
         result = self._client.reset(**{k: v for k, v in row.items() if k in ("seed", "word")})
@@ -91,10 +92,10 @@ class OpenEnvSession:
                 self._client = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"base_url": self.base_url}
+        return {"base_url": self.base_url, "api_key": self.api_key}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["base_url"])
+        self.__init__(state["base_url"], state.get("api_key"))
 
 
 class OpenEnvTextTool(OpenEnvSession):

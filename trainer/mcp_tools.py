@@ -34,7 +34,8 @@ _TYPES = {
     "null": type(None),
 }
 _LITERALS = (str, int, float, bool, type(None))
-_SESSION_STATE = ("base_url", "reward", "done")  # public attributes a tool must not shadow
+# public attributes a tool must not shadow
+_SESSION_STATE = ("base_url", "api_key", "reward", "done")
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,14 @@ class MCPSession(OpenEnvSession):
     """An OpenEnv session whose tools are the server's MCP tools (`call_tool` steps over the
     session's WebSocket). The reward is the sum of the `reward` of every step's observation."""
 
-    def __init__(self, base_url: str, tools: tuple[ToolSpec, ...] = (), name: str = "") -> None:
-        super().__init__(base_url)
+    def __init__(
+        self,
+        base_url: str,
+        tools: tuple[ToolSpec, ...] = (),
+        name: str = "",
+        api_key: str | None = None,
+    ) -> None:
+        super().__init__(base_url, api_key)
         self._tools, self._name = tools, name
 
     def _text(self, observation: dict[str, Any]) -> str:
@@ -158,7 +165,7 @@ class MCPSession(OpenEnvSession):
         return _result_text(result.observation)
 
     def __reduce__(self) -> tuple:
-        return mcp_session, (self.base_url, self._tools, self._name)
+        return mcp_session, (self.base_url, self._tools, self._name, self.api_key)
 
 
 def _result_text(observation: dict[str, Any]) -> str:
@@ -183,7 +190,9 @@ _CLASSES: dict[str, type[MCPSession]] = {}  # one class per tool set and process
 # an environment's reward column by its class
 
 
-def mcp_session(base_url: str, tools: tuple[ToolSpec, ...], name: str = "") -> MCPSession:
+def mcp_session(
+    base_url: str, tools: tuple[ToolSpec, ...], name: str = "", api_key: str | None = None
+) -> MCPSession:
     """A session of the server at `base_url` whose public methods are `tools`."""
     key = json.dumps([name, [vars(t) for t in tools]], sort_keys=True, default=str)
     cls = _CLASSES.get(key)
@@ -192,4 +201,4 @@ def mcp_session(base_url: str, tools: tuple[ToolSpec, ...], name: str = "") -> M
         cls_name = f"{title}Tools" if title[:1].isalpha() else "OpenEnvTools"
         cls = _CLASSES[key] = type(cls_name, (MCPSession,), dict(tool_methods(tools)))
         cls.__module__ = __name__
-    return cls(base_url, tools, name)
+    return cls(base_url, tools, name, api_key)

@@ -75,11 +75,12 @@ def check_action(url: str, action: dict[str, Any], timeout: float = 15.0) -> Non
         )
 
 
-def _list_tools(url: str, timeout: float) -> tuple[ToolSpec, ...]:
-    from openenv.core.generic_client import GenericEnvClient
+def _list_tools(url: str, timeout: float, api_key: str | None) -> tuple[ToolSpec, ...]:
     from websockets.exceptions import WebSocketException
 
-    client = GenericEnvClient(base_url=url, message_timeout_s=timeout).sync()
+    from .env_client import env_client
+
+    client = env_client(url, api_key, message_timeout_s=timeout).sync()
     try:
         client.connect()
         client.reset()
@@ -97,7 +98,7 @@ def _list_tools(url: str, timeout: float) -> tuple[ToolSpec, ...]:
         raise EnvSetupError(f"{url}: {exc}") from None
 
 
-def inspect_server(url: str, timeout: float = 15.0) -> ServerInfo:
+def inspect_server(url: str, timeout: float = 15.0, api_key: str | None = None) -> ServerInfo:
     """Classify the server at `url`; refuse in one line one that neither shape fits."""
     if not url.startswith(("http://", "https://")):
         raise EnvSetupError(f"--env-url {url!r} is not an http(s):// URL")
@@ -108,7 +109,7 @@ def inspect_server(url: str, timeout: float = 15.0) -> ServerInfo:
         return ServerInfo(url, name, description)
     props = action.get("properties") or {}
     if action.get("title") in _MCP_ACTIONS or "tool_name" in props:
-        return ServerInfo(url, name, description, _list_tools(url, timeout))
+        return ServerInfo(url, name, description, _list_tools(url, timeout, api_key))
     raise EnvSetupError(
         f"{url} takes actions {_fields(action)}: neither a TextArena message "
         '({"message": str}) nor MCP tool calls; write a session class for it (README: Use '

@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
         "base_url (default %(default)s)",
     )
     p.add_argument(
+        "--env-api-key",
+        default=os.environ.get("ENV_API_KEY") or None,
+        help="bearer token the environment server wants (its ENV_API_KEY; default "
+        "$ENV_API_KEY); sent only to that server",
+    )
+    p.add_argument(
         "--max-tool-calls",
         type=count,
         default=8,
@@ -415,7 +421,7 @@ def _environment(args: argparse.Namespace) -> EnvSpec:
     """--env resolved and pre-flighted before any model is loaded (one line if it cannot be
     played)."""
     try:
-        spec = preflight(resolve(args.env, args.env_url))
+        spec = preflight(resolve(args.env, args.env_url, args.env_api_key))
     except EnvSetupError as exc:
         raise SystemExit(f"error: {exc}") from None
     tools = ", ".join(spec.tools) or "none"

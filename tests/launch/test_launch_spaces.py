@@ -57,7 +57,7 @@ def create(hub, role: str) -> list[list[str]]:
             "-e",
             "VLLM_ARGS=--max-model-len 4096 --gpu-memory-utilization 0.85",
         ],
-        "wordle": ["--flavor", "cpu-basic"],
+        "wordle": ["--flavor", "cpu-basic", "-s", "ENV_API_KEY"],
         "dashboard": [
             "--flavor",
             "cpu-basic",
@@ -116,6 +116,8 @@ def reapply(role: str) -> list[list[str]]:
                 *J,
             ],
         ]
+    if kind == "wordle":
+        calls += [["spaces", "secrets", "add", repo, "-s", "ENV_API_KEY", *J]]
     if kind == "dashboard":
         calls += [
             ["spaces", "secrets", "add", repo, "-s", "HF_TOKEN", *J],
@@ -159,6 +161,8 @@ def test_fresh_launch_sequence(hub):
     key = key_file.read_text().strip()
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     assert vllm["secrets"]["DELTASYNC_API_KEY"] == key  # read from the env, never from argv
+    # the public Wordle Space plays only for the holder of the same key
+    assert hub.state["spaces"]["alice/deltasync-wordle"]["secrets"]["ENV_API_KEY"] == key
     assert all(key not in " ".join(c) for c in hub.calls())
     assert (
         "deltasync" in vllm["tags"]
@@ -315,6 +319,8 @@ def test_from_template_duplicates_instead_of_uploading(hub):
             "space",
             "--flavor",
             "cpu-basic",
+            "-s",
+            "ENV_API_KEY",
             *J,
         ],
         [
@@ -542,7 +548,7 @@ def test_read_token_goes_to_the_spaces_that_read_the_bucket(hub, monkeypatch):
     spaces = hub.state["spaces"]
     assert spaces["alice/deltasync-vllm-0"]["secrets"]["HF_TOKEN"] == token
     assert spaces["alice/deltasync-dashboard"]["secrets"]["HF_TOKEN"] == token
-    assert spaces["alice/deltasync-wordle"]["secrets"] == {}
+    assert "HF_TOKEN" not in spaces["alice/deltasync-wordle"]["secrets"]
     assert token not in result.out + result.err
     assert all(token not in " ".join(c) for c in hub.calls())
     create = next(c for c in hub.calls() if c[:3] == ["repos", "create", "alice/deltasync-vllm-0"])

@@ -25,6 +25,9 @@ _SETTINGS = {
     "ENABLE_WEB_INTERFACE",
     "SESSION_FIRST_MESSAGE_TIMEOUT_S",
     "SESSION_IDLE_TIMEOUT_S",
+    "SESSION_LIFETIME_S",
+    "SESSION_MAX_STEPS",
+    "ENV_API_KEY",
 }
 
 
@@ -124,3 +127,12 @@ def deadline_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
     machine must take well under the first-message deadline."""
     env = {"SESSION_FIRST_MESSAGE_TIMEOUT_S": "6", "SESSION_IDLE_TIMEOUT_S": "8"}
     yield from run_server(tmp_path_factory.mktemp("wordle-deadlines"), env)
+
+
+ENV_API_KEY = "test-env-key-0123456789"
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server with ``ENV_API_KEY`` set, as ``launch.py`` deploys the Wordle Space."""
+    yield from run_server(tmp_path_factory.mktemp("wordle-keyed"), {"ENV_API_KEY": ENV_API_KEY})

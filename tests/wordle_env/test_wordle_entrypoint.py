@@ -14,8 +14,14 @@ from starlette.testclient import TestClient
 from wordle_env.server import app as entry
 from wordle_env.server.sessions import SessionLimits
 
-DEADLINES = ("SESSION_FIRST_MESSAGE_TIMEOUT_S", "SESSION_IDLE_TIMEOUT_S")
-SETTINGS = ("MAX_CONCURRENT_ENVS", "ENABLE_WEB_INTERFACE", *DEADLINES)
+DEADLINES = ("SESSION_FIRST_MESSAGE_TIMEOUT_S", "SESSION_IDLE_TIMEOUT_S", "SESSION_LIFETIME_S")
+SETTINGS = (
+    "MAX_CONCURRENT_ENVS",
+    "ENABLE_WEB_INTERFACE",
+    "SESSION_MAX_STEPS",
+    "ENV_API_KEY",
+    *DEADLINES,
+)
 
 
 @pytest.fixture
@@ -38,9 +44,9 @@ def limits(monkeypatch: pytest.MonkeyPatch) -> list[SessionLimits]:
     seen: list[SessionLimits] = []
     build = entry.create_wordle_app
 
-    def spy(capacity: int, limits: SessionLimits, *, web: bool) -> FastAPI:
+    def spy(capacity: int, limits: SessionLimits, **kwargs: Any) -> FastAPI:
         seen.append(limits)
-        return build(capacity, limits, web=web)
+        return build(capacity, limits, **kwargs)
 
     monkeypatch.setattr(entry, "create_wordle_app", spy)
     return seen
@@ -94,8 +100,10 @@ def test_session_deadlines_from_environment(
 ) -> None:
     monkeypatch.setenv("SESSION_FIRST_MESSAGE_TIMEOUT_S", "2.5")
     monkeypatch.setenv("SESSION_IDLE_TIMEOUT_S", "60")
+    monkeypatch.setenv("SESSION_LIFETIME_S", "900")
+    monkeypatch.setenv("SESSION_MAX_STEPS", "50")
     entry.main(["--log-level", "warning"])
-    assert limits == [SessionLimits(first_message_s=2.5, idle_s=60.0)]
+    assert limits == [SessionLimits(first_message_s=2.5, idle_s=60.0, lifetime_s=900, max_steps=50)]
     assert served["log_config"]["loggers"]["wordle_env"]["level"] == "WARNING"
 
 
@@ -114,6 +122,21 @@ def test_bad_deadline_is_a_one_line_error(
     assert exit_info.value.code == 2
     assert f"{name} must be a positive number of seconds, got {value!r}" in capsys.readouterr().err
     assert not served
+
+
+@pytest.mark.parametrize("value", ["short", "sixteen chars 16", "x" * 15])
+def test_bad_api_key_is_a_one_line_error_that_does_not_echo_it(
+    served: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    value: str,
+) -> None:
+    monkeypatch.setenv("ENV_API_KEY", value)
+    with pytest.raises(SystemExit) as exit_info:
+        entry.main([])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "ENV_API_KEY must be at least 16" in err
+    assert value not in err and not served
 
 
 @pytest.mark.parametrize(("first", "idle"), [(0, 1), (1, -1), (1, float("nan"))])

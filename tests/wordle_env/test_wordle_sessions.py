@@ -1,4 +1,4 @@
-"""Starvation: 256 silent WebSockets lose their slots to the deadlines; /mcp holds no session."""
+"""Starvation: 256 WebSockets that do not play lose their slots; /mcp holds no session."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from wordle_env.server.sessions import IDLE_CLOSE_CODE
+from wordle_env.server.sessions import IDLE_CLOSE_CODE, MAX_INVALID_FRAMES, POLICY_CLOSE_CODE
 
 CAPACITY = 256
 OPEN_TIMEOUT_S = 30.0
@@ -88,7 +88,7 @@ def test_silent_connections_lose_their_slots_at_the_first_message_deadline(
             assert loop.time() - start >= first_message_s  # not before the deadline
             codes = await _closed_by_server(silent)
             assert codes == [IDLE_CLOSE_CODE] * CAPACITY
-            assert f"no message within {first_message_s:g} s" == silent[0].close_reason
+            assert f"no reset or step within {first_message_s:g} s" == silent[0].close_reason
         finally:
             await asyncio.gather(*(ws.close() for ws in silent))
 
@@ -102,13 +102,13 @@ def test_idle_sessions_lose_their_slots_and_active_ones_keep_theirs(
     url = _ws(deadline_server)
 
     async def keep_playing(ws: ClientConnection, until: asyncio.Event) -> int:
-        """Send a frame every idle_s / 4 until told to stop; the number of answers."""
+        """Reset every idle_s / 4 until told to stop; the number of answers."""
         answers = 0
         for _ in range(200):  # bounded: 200 x idle_s / 4
             if until.is_set():
                 break
-            reply = await _ask(ws, {"type": "state"})
-            assert reply["type"] == "state", reply
+            reply = await _ask(ws, RESET)
+            assert reply["type"] == "observation", reply
             answers += 1
             await asyncio.sleep(idle_s / 4)
         return answers
@@ -135,6 +135,58 @@ def test_idle_sessions_lose_their_slots_and_active_ones_keep_theirs(
             await asyncio.gather(*(ws.close() for ws in conns))
 
     asyncio.run(asyncio.wait_for(run(), 90))
+
+
+def test_invalid_frames_hold_no_slot(deadline_server: Any) -> None:
+    """256 sockets sending ``x`` every 2 s (answered with error frames, under every deadline)
+    lose their slots at the first-message deadline: only an answered reset or step is play."""
+    first_message_s, _ = _limits(deadline_server)
+    url = _ws(deadline_server)
+
+    async def chatter(ws: ClientConnection) -> None:
+        for _ in range(60):  # bounded: 60 x 2 s
+            try:
+                await ws.send("x")
+            except ConnectionClosed:
+                return
+            await asyncio.sleep(2.0)
+
+    async def run() -> None:
+        conns = await _fill(url)
+        talkers = [asyncio.create_task(chatter(ws)) for ws in conns]
+        try:
+            assert await _try_reset(url) == "CAPACITY_REACHED"
+            await _admit(url, first_message_s + ADMIT_SLACK_S)
+            assert await _closed_by_server(conns) == [IDLE_CLOSE_CODE] * CAPACITY
+        finally:
+            for task in talkers:
+                task.cancel()
+            await asyncio.gather(*(ws.close() for ws in conns))
+
+    asyncio.run(asyncio.wait_for(run(), 90))
+
+
+def test_invalid_frames_in_a_row_close_a_session(server_url: str) -> None:
+    """A player's few bad frames are forgiven by its next move; a run of them closes it (1008)."""
+    url = server_url.replace("http://", "ws://") + "/ws"
+
+    async def run() -> None:
+        async with connect(url, open_timeout=OPEN_TIMEOUT_S) as ws:
+            assert (await _ask(ws, RESET))["type"] == "observation"
+            for _ in range(2):
+                for _ in range(MAX_INVALID_FRAMES - 1):
+                    await ws.send("x")
+                    reply = json.loads(await asyncio.wait_for(ws.recv(), RECV_TIMEOUT_S))
+                    assert reply["type"] == "error"
+                assert (await _ask(ws, RESET))["type"] == "observation"
+            for _ in range(MAX_INVALID_FRAMES):
+                await ws.send("x")
+                await asyncio.wait_for(ws.recv(), RECV_TIMEOUT_S)
+            await asyncio.wait_for(ws.wait_closed(), RECV_TIMEOUT_S)  # without another frame
+            assert ws.close_code == POLICY_CLOSE_CODE
+            assert ws.close_reason == f"{MAX_INVALID_FRAMES} invalid messages in a row"
+
+    asyncio.run(asyncio.wait_for(run(), 60))
 
 
 def test_mcp_holds_no_session(server_url: str) -> None:

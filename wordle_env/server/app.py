@@ -8,7 +8,11 @@
 Settings come from the environment (Space variables):
     MAX_CONCURRENT_ENVS               session cap (default 256)
     SESSION_FIRST_MESSAGE_TIMEOUT_S   a new /ws connection must send within this (default 10)
-    SESSION_IDLE_TIMEOUT_S            a session silent this long is closed (default 300)
+    SESSION_IDLE_TIMEOUT_S            a session that plays no reset or step this long is closed
+                                      (default 300)
+    SESSION_LIFETIME_S                a session's longest life (default 3600)
+    SESSION_MAX_STEPS                 resets and steps one session may play (default 1000)
+    ENV_API_KEY                       when set, /ws, /reset and /step need "Bearer <key>"
     ENABLE_WEB_INTERFACE=true         OpenEnv's page at /web, and / redirects there (default off)
 """
 
@@ -29,6 +33,7 @@ from starlette.websockets import WebSocketDisconnect
 from uvicorn.config import LOGGING_CONFIG
 
 from wordle_env.models import WordleAction, WordleObservation
+from wordle_env.server.access import BoundedBodies, RequireApiKey
 from wordle_env.server.environment import WordleEnvironment
 from wordle_env.server.errors import install_error_handlers
 from wordle_env.server.sessions import NoMcpSessions, SessionDeadlines, SessionLimits
@@ -65,13 +70,16 @@ def create_wordle_app(
     limits: SessionLimits | None = None,
     *,
     web: bool = False,
+    api_key: str | None = None,
 ) -> FastAPI:
     """Build the app; each ``/ws`` connection gets its own game, up to ``max_concurrent_envs``.
 
-    A connection beyond the cap is answered with a ``CAPACITY_REACHED`` error frame; a silent one
-    is closed after ``limits`` (defaults: 10 s for the first message, 300 s between messages), so
-    idle connections cannot keep the cap filled. ``web`` adds OpenEnv's Gradio page at ``/web``
-    (``/`` redirects there); it plays one game shared by its visitors, outside the cap.
+    A connection beyond the cap is answered with a ``CAPACITY_REACHED`` error frame; one that
+    does not play is closed by ``limits`` (defaults: 10 s to the first reset, 300 s between
+    steps, 16 invalid frames in a row, an hour in all), so connections that do not play cannot
+    keep the cap filled. ``web`` adds OpenEnv's Gradio page at ``/web`` (``/`` redirects there);
+    it plays one game shared by its visitors, outside the cap. ``api_key`` closes the play
+    routes to callers without it.
     """
     if max_concurrent_envs < 1:
         raise ValueError(f"max_concurrent_envs must be >= 1, got {max_concurrent_envs}")
@@ -98,7 +106,10 @@ def create_wordle_app(
     app.add_middleware(SessionDeadlines, limits=limits or SessionLimits())
     if web:
         app.add_middleware(WebStepCheck)
+    app.add_middleware(BoundedBodies)
     app.add_middleware(NoMcpSessions)
+    if api_key:
+        app.add_middleware(RequireApiKey, api_key=api_key)
     app.add_middleware(NoUploads)
     return app
 
@@ -142,7 +153,9 @@ def __getattr__(name: str) -> FastAPI:
 
 
 def _app_from(settings: ServerSettings) -> FastAPI:
-    return create_wordle_app(settings.max_concurrent_envs, settings.limits, web=settings.web)
+    return create_wordle_app(
+        settings.max_concurrent_envs, settings.limits, web=settings.web, api_key=settings.api_key
+    )
 
 
 def _log_config(level: str) -> dict[str, Any]:

@@ -10,6 +10,8 @@ from typing import TypeVar
 from wordle_env.server.sessions import (
     DEFAULT_FIRST_MESSAGE_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_LIFETIME_S,
+    DEFAULT_MAX_STEPS,
     SessionLimits,
 )
 
@@ -32,13 +34,17 @@ class ServerSettings:
 
     Attributes:
         max_concurrent_envs: ``MAX_CONCURRENT_ENVS``, the session cap.
-        limits: ``SESSION_FIRST_MESSAGE_TIMEOUT_S`` and ``SESSION_IDLE_TIMEOUT_S``.
+        limits: ``SESSION_FIRST_MESSAGE_TIMEOUT_S``, ``SESSION_IDLE_TIMEOUT_S``,
+            ``SESSION_LIFETIME_S`` and ``SESSION_MAX_STEPS``.
         web: ``ENABLE_WEB_INTERFACE``, OpenEnv's page at ``/web`` (``/`` redirects to it).
+        api_key: ``ENV_API_KEY`` (a Space secret): when set, ``/ws``, ``/reset`` and ``/step``
+            need ``Authorization: Bearer <key>``.
     """
 
     max_concurrent_envs: int = DEFAULT_MAX_CONCURRENT_ENVS
     limits: SessionLimits = field(default_factory=SessionLimits)
     web: bool = False
+    api_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> ServerSettings:
@@ -60,8 +66,11 @@ class ServerSettings:
                     "SESSION_FIRST_MESSAGE_TIMEOUT_S", DEFAULT_FIRST_MESSAGE_TIMEOUT_S, _seconds
                 ),
                 idle_s=read("SESSION_IDLE_TIMEOUT_S", DEFAULT_IDLE_TIMEOUT_S, _seconds),
+                lifetime_s=read("SESSION_LIFETIME_S", DEFAULT_LIFETIME_S, _seconds),
+                max_steps=read("SESSION_MAX_STEPS", DEFAULT_MAX_STEPS, _count),
             ),
             web=read("ENABLE_WEB_INTERFACE", False, _switch),
+            api_key=_key(environ.get("ENV_API_KEY", "")),
         )
 
 
@@ -79,6 +88,13 @@ def _seconds(raw: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError("a positive number of seconds")
     return value
+
+
+def _key(raw: str) -> str | None:
+    """An empty value means no key; a bad one is refused without echoing it (it is a secret)."""
+    if raw and (len(raw) < 16 or not raw.isprintable() or " " in raw):
+        raise SettingError("ENV_API_KEY must be at least 16 printable characters without spaces")
+    return raw or None
 
 
 def _switch(raw: str) -> bool:

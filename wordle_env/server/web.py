@@ -7,17 +7,15 @@ from typing import Any
 
 from pydantic import ValidationError
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from wordle_env.models import WordleAction
+from wordle_env.server.access import read_body, replaying
 from wordle_env.server.errors import bounded_errors, refusal
 
 __all__ = ["NoUploads", "WebStepCheck"]
 
 NO_UPLOADS = "this server takes no uploads"
-# A guess is at most 256 characters; a body far larger than that is not a Wordle move.
-_MAX_STEP_BODY_BYTES = 16 * 1024
-_BODY_LIMIT = f"body missing or over {_MAX_STEP_BODY_BYTES} bytes"
 
 
 class NoUploads:
@@ -59,39 +57,12 @@ class WebStepCheck:
         if scope["type"] != "http" or (scope["method"], scope["path"]) != ("POST", "/web/step"):
             await self.app(scope, receive, send)
             return
-        body = await _read_body(receive)
-        problem = _BODY_LIMIT if body is None else _action_problem(body)
+        body = await read_body(receive)  # within its bound: `BoundedBodies` runs first
+        problem = _action_problem(body or b"")
         if problem is not None:
-            status = 413 if body is None else 422
-            await refusal("POST", "/web/step", problem, status)(scope, receive, send)
+            await refusal("POST", "/web/step", problem, 422)(scope, receive, send)
             return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    """The whole request body, or None past ``_MAX_STEP_BODY_BYTES`` (or if the client left)."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > _MAX_STEP_BODY_BYTES:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+        await self.app(scope, replaying(body or b"", receive), send)
 
 
 def _action_problem(body: bytes) -> str | list[dict[str, Any]] | None:
