@@ -49,6 +49,28 @@ _RETRYABLE_4XX = {408, 429}  # every other 4xx to a generation request is final
 _PROBE_TIMEOUT_S = 5.0
 
 
+class _OneLine(logging.Filter):
+    """aiohttp's "Error handling request" for a request it cannot parse, as one warning line.
+
+    aiohttp logs each with a traceback, so any local process could flood the trainer's log.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None:  # aiohttp's first line after the status, never the request itself
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            reason = lines[min(1, len(lines) - 1)].rstrip(":")[:200] if lines else ""
+            record.msg = f"auth proxy refused a malformed request: {type(error).__name__}: {reason}"
+            record.args, record.exc_info, record.exc_text = (), None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+# The proxy's HTTP server logs through this (aiohttp's `aiohttp.server` otherwise).
+_http_log = logging.getLogger(f"{__name__}.http")
+_http_log.addFilter(_OneLine())
+
+
 class AuthProxy:
     """Forward TRL's routes from `url` (`http://127.0.0.1:<port>/<secret>`) to the `upstreams`.
 
@@ -261,7 +283,7 @@ class AuthProxy:
             self._session = aiohttp.ClientSession()
             app = web.Application(client_max_size=64 * 1024 * 1024)
             app.router.add_route("*", "/{tail:.*}", self._forward)
-            runner = web.AppRunner(app, access_log=None)
+            runner = web.AppRunner(app, access_log=None, logger=_http_log)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()

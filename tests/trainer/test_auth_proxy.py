@@ -281,3 +281,28 @@ def test_upstream_down_is_a_quiet_502(caplog: pytest.LogCaptureFixture):
         status, body = _call(proxy, "POST", "/v1/completions", b"{}")
     assert status == 502 and b"unreachable" in body and TOKEN.encode() not in body
     assert not [r for r in caplog.records if r.name.startswith("aiohttp")]
+
+
+MALFORMED = [
+    b"GARBAGE\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"GET /%s\x00 HTTP/1.1\r\n\r\n",  # most of the secret, then a byte no URL may hold
+]
+
+
+def test_malformed_requests_are_one_log_line_each(caplog: pytest.LogCaptureFixture):
+    """Any local process can send bytes that are not HTTP: each is a 400 and one warning line
+    (no traceback, nothing of the request), so the trainer's log cannot be flooded."""
+    with caplog.at_level(logging.DEBUG), AuthProxy(["http://127.0.0.1:9"], TOKEN) as proxy:
+        address = urlsplit(proxy.url)
+        secret = address.path.strip("/")
+        for raw in MALFORMED:
+            raw = raw.replace(b"%s", secret[:-1].encode()) if b"%s" in raw else raw
+            with socket.create_connection((address.hostname, address.port), timeout=10) as s:
+                s.sendall(raw)
+                assert s.recv(64).startswith(b"HTTP/1.0 400")
+    lines = [r for r in caplog.records if "malformed request" in r.getMessage()]
+    assert len(lines) == len(MALFORMED)
+    assert all(r.levelno == logging.WARNING and not r.exc_info for r in lines)
+    assert all("\n" not in r.getMessage() and secret[:8] not in r.getMessage() for r in lines)
+    assert not [r for r in caplog.records if r.name.startswith("aiohttp")]
