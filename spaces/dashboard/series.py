@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ __all__ = [
     "files_table",
     "health_markdown",
     "human_bytes",
+    "plain",
     "replicas_table",
     "reward_series",
     "series_json",
@@ -24,6 +26,17 @@ __all__ = [
 ]
 
 TABLE_COLUMNS = ["version", "kind", "encoding", "size", "sparsity", "changed", "status"]
+_ASCII_PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")
+
+
+def plain(text: object) -> str:
+    """`text` from a bucket or a replica, shown in Markdown as itself on one line.
+
+    A bucket writer controls these strings, and Gradio's sanitiser keeps images and links: every
+    ASCII punctuation character is backslash-escaped (CommonMark shows it literally), so no
+    image, link, autolink, HTML tag or code span can start, and no backtick can close ours.
+    """
+    return _ASCII_PUNCTUATION.sub(r"\\\1", " ".join(str(text).split()))
 
 
 def version_series(snap: Snapshot) -> list[dict[str, Any]]:
@@ -98,7 +111,7 @@ def health_markdown(snap: Snapshot) -> str:
         return "**Chain:** nothing committed yet."
     age = max(0.0, time.time() - h.updated_at)
     return (
-        f"**Run** `{h.run_id}` · **latest version** {h.latest_version} · "
+        f"**Run** {plain(h.run_id)} · **latest version** {h.latest_version} · "
         f"**latest anchor** {h.latest_anchor} · **replay cost for a new replica** "
         f"{human_bytes(h.replay_bytes)} (anchor {h.latest_anchor} + "
         f"{h.replay_files - 1} deltas) · **anchor size** {human_bytes(h.model_bytes)} · "
@@ -109,8 +122,8 @@ def health_markdown(snap: Snapshot) -> str:
 def status_markdown(snap: Snapshot) -> str:
     label = {"ok": "OK", "empty": "EMPTY", "waiting": "WAITING", "error": "ERROR"}[snap.state]
     shown = time.strftime("%H:%M:%S", time.localtime(snap.polled_at))
-    lines = [f"**{label}** `{snap.bucket}`: {snap.message} (read at {shown})"]
-    lines += [f"- ⚠ {p}" for p in snap.problems[:10]]
+    lines = [f"**{label}** {plain(snap.bucket)}: {plain(snap.message)} (read at {shown})"]
+    lines += [f"- ⚠ {plain(p)}" for p in snap.problems[:10]]
     if len(snap.problems) > 10:
         lines.append(f"- … and {len(snap.problems) - 10} more")
     return "\n".join(lines)

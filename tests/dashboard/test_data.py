@@ -373,3 +373,22 @@ def test_a_virtual_first_anchor_costs_the_model_bytes_to_replay(tmp_path):
     delta = Manifest.from_json(store.get(MANIFEST_PATH)).deltas[0]
     assert snap.health.replay_bytes == model_bytes + delta.bytes
     assert {row[-1] for row in files_table(snap)} == {"ok"}
+
+
+HOSTILE_TEXT = "![beacon](http://evil.test/b.png) [click](http://evil.test) <img src=x> `x` **"
+
+
+def test_bucket_text_is_shown_as_plain_text(trainer):
+    """A bucket writer's strings reach the status line (here through a manifest error) as
+    themselves: no image, link, HTML or code span on the public page."""
+    from markdown_it import MarkdownIt
+
+    trainer.publish(1)
+    manifest = bucket_dir(trainer) / MANIFEST_PATH
+    manifest.write_text(json.dumps({"protocol": HOSTILE_TEXT}))
+    snap = watch(trainer.store).snapshot()
+    assert snap.state == "error" and HOSTILE_TEXT in snap.message
+    html = MarkdownIt("commonmark").render(status_markdown(snap))
+    assert not any(tag in html for tag in ("<img", "<a ", "<code", "<em", "<strong>x"))
+    shown = html.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", '"')
+    assert HOSTILE_TEXT in shown
