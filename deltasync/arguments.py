@@ -142,8 +142,7 @@ def bucket_url(text: str) -> str:
     """A folder or a URL whose protocol fsspec knows (`hf://buckets/NS/NAME`, `s3://...`),
     checked without connecting or creating anything."""
     if "://" not in text:
-        _creatable(Path(text).expanduser(), text)
-        return text
+        return folder(text)
     import fsspec
 
     protocol = text.split("://", 1)[0]

@@ -30,10 +30,7 @@ class FormatError(DeltaSyncError, ValueError):
     """
 
     def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None):
-        where = "".join(
-            part
-            for part in (f" in {path}" if path else "", f" (tensor {tensor!r})" if tensor else "")
-        )
+        where = (f" in {path}" if path else "") + (f" (tensor {tensor!r})" if tensor else "")
         super().__init__(f"{message}{where}")
         self.path = path
         self.tensor = tensor
@@ -114,7 +111,6 @@ def import_tensor_side(module: str) -> Any:
         missing = (exc.name or "").split(".")[0]
         if missing in {"torch", "numpy", "numba", "safetensors", "zstandard"}:
             raise MissingExtra(
-                f"{module} needs {missing}: pip install 'deltasync[torch]' ({exc})",
-                name=exc.name,
+                f"{module} needs {missing}: pip install 'deltasync[torch]' ({exc})", name=exc.name
             ) from exc
         raise

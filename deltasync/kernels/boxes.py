@@ -43,9 +43,7 @@ class Box:
     owner: bool = True
 
     def __post_init__(self) -> None:
-        n = self.shape[0] if self.shape else 1
-        r0, r1 = self.rows
-        ok = 0 <= r0 <= r1 <= n
+        ok = 0 <= self.rows[0] <= self.rows[1] <= (self.shape[0] if self.shape else 1)
         if self.cols is not None:
             ok = ok and len(self.shape) == 2 and 0 <= self.cols[0] <= self.cols[1] <= self.shape[1]
         if not ok:
@@ -79,9 +77,7 @@ class Box:
         if not self.shape:
             return ()
         rows = self.rows[1] - self.rows[0]
-        if self.cols is None:
-            return (rows, *self.shape[1:])
-        return (rows, self.cols[1] - self.cols[0])
+        return (rows, *self.shape[1:]) if self.cols is None else (rows, self.width)
 
     @property
     def numel(self) -> int:

@@ -127,8 +127,7 @@ def _range_task(name: str, bits: np.ndarray, start: int) -> StateDigest:
     sums = [0, 0, 0, 0]
     pos = 0
     while pos < bits.size:
-        index = start + pos
-        hi, lo = index >> 31, index & _LOW31
+        hi, lo = divmod(start + pos, 1 << 31)
         count = min(bits.size - pos, (1 << 31) - lo)
         chunk_keys = keys.copy()
         for lane, p in enumerate(PRIMES):  # the constant a_hi * hi joins g
@@ -218,11 +217,7 @@ def state_sums(tensors: Mapping[str, torch.Tensor]) -> dict[str, StateDigest]:
 
 
 def device_sum(
-    name: str,
-    values: torch.Tensor,
-    *,
-    start: int = 0,
-    index: torch.Tensor | None = None,
+    name: str, values: torch.Tensor, *, start: int = 0, index: torch.Tensor | None = None
 ) -> StateDigest:
     """The digest with int64 tensor ops on `values`' own device (no host copy of the values).
 

@@ -118,17 +118,14 @@ class CheckpointNames:
                 at = (view.shape[0] if view.shape else 1) if last <= lo else 0
                 out.append((view.name, None, view.shape, at, at))
                 continue
-            if first >= lo and last <= hi:
-                local = tensor.as_strided(
-                    view.shape, view.stride, tensor.storage_offset() + first - lo
+            if first < lo or last > hi:
+                raise FormatError(
+                    f"the trainer's shard of {name} (rows {start}..{stop}) cuts checkpoint tensor "
+                    f"{view.name}; shard on whole experts",
+                    tensor=name,
                 )
-                out.append((view.name, local, view.shape, 0, view.shape[0] if view.shape else 1))
-                continue
-            raise FormatError(
-                f"the trainer's shard of {name} (rows {start}..{stop}) cuts checkpoint tensor "
-                f"{view.name}; shard on whole experts",
-                tensor=name,
-            )
+            local = tensor.as_strided(view.shape, view.stride, tensor.storage_offset() + first - lo)
+            out.append((view.name, local, view.shape, 0, view.shape[0] if view.shape else 1))
         return out
 
 

@@ -25,6 +25,7 @@ from deltasync.kernels.changes import Diff, TensorChange
 from deltasync.publisher.snapshot import (
     Bf16Snapshot,
     NamedTensors,
+    check_names,
     digests_after,
     named_tensors,
     state_after,
@@ -44,9 +45,7 @@ def detection_device(source: NamedTensors, mode: str) -> torch.device | None:
     if len(devices) > 1:
         raise FormatError(f"parameters on several devices {sorted(map(str, devices))}")
     device = next(iter(devices), torch.device("cpu"))
-    if mode == "auto" and device.type == "cpu":
-        return None
-    return device
+    return None if mode == "auto" and device.type == "cpu" else device
 
 
 class DeviceSnapshot:
@@ -77,13 +76,7 @@ class DeviceSnapshot:
             if pending:
                 raise FormatError("the device reference cannot rewind to a pending version")
         items = named_tensors(source)
-        names = {n for n, _ in items}
-        if names != set(self.host.tensors):
-            missing = sorted(set(self.host.tensors) - names)[:5]
-            unknown = sorted(names - set(self.host.tensors))[:5]
-            raise FormatError(
-                f"parameter names differ from the snapshot: missing {missing}, unknown {unknown}"
-            )
+        check_names(items, self.host.tensors)
         reference = self._reference_tensors()
         changes = {}
         with torch.no_grad():
@@ -128,8 +121,7 @@ def _changed_on_device(reference: torch.Tensor, tensor: torch.Tensor) -> TensorC
     indices = (new.view(torch.int16) != reference.view(torch.int16)).nonzero().squeeze(1)
     if indices.numel() == 0:
         return None
-    values = new[indices]
-    previous = reference[indices]
+    values, previous = new[indices], reference[indices]
     reference[indices] = values
     return TensorChange(
         indices.to("cpu"), values.to("cpu", copy=True), previous.to("cpu", copy=True)

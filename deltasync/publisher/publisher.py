@@ -19,13 +19,7 @@ from deltasync.kernels.changes import Diff
 from deltasync.kernels.state_hash import apply_changes, state_sums
 from deltasync.publisher.checkpoint_names import CheckpointNames
 from deltasync.publisher.device_snapshot import DeviceSnapshot, detection_device
-from deltasync.publisher.shards import (
-    ShardGroup,
-    local_rows,
-    part_info,
-    replay_rows,
-    to_global,
-)
+from deltasync.publisher.shards import ShardGroup, local_rows, part_info, replay_rows, to_global
 from deltasync.publisher.snapshot import (
     Bf16Snapshot,
     NamedTensors,
@@ -37,13 +31,7 @@ from deltasync.replica.replica import Replica
 from deltasync.store import MissingFile, Store
 from deltasync.wire.digests import StateDigest, bytes_digest, total
 from deltasync.wire.fencing import RunOwner
-from deltasync.wire.manifest import (
-    ChainEntry,
-    Manifest,
-    PartRef,
-    file_path,
-    metrics_path,
-)
+from deltasync.wire.manifest import ChainEntry, Manifest, PartRef, file_path, metrics_path
 from deltasync.wire.metadata import check_tiling, validate_run_id
 from deltasync.wire.metrics import SyncRecord
 from deltasync.wire.policy import AnchorPolicy
@@ -469,13 +457,8 @@ class Publisher:
         if job.diff is None or cfg.policy.wants_anchor(self._manifest, job.version):
             t0 = time.perf_counter()
             state = state_after(snapshot.tensors, job.diff)
-            virtual = (
-                self.shards is None
-                and self._manifest is None
-                and job.diff is None
-                and self._matches_source(state)
-            )
-            if virtual:
+            first = self.shards is None and self._manifest is None and job.diff is None
+            if first and self._matches_source(state):
                 assert cfg.source is not None
                 anchor_encoding = "virtual"
                 data = encode_virtual_anchor(
@@ -496,17 +479,10 @@ class Publisher:
             encode_s, upload_s = encode_s + t1 - t0, upload_s + time.perf_counter() - t1
         elements = sum(t.numel() for t in snapshot.tensors.values())
         changed = elements if job.diff is None else job.diff.changed_elements
-        written = _Written(
-            job.version,
-            None if part is None else part.rows,
-            delta,
-            anchor,
-            anchor_encoding,
-            changed,
-            elements,
-            (job.diff_s, encode_s, upload_s),
-        )
-        return written, sums
+        rows, seconds = None if part is None else part.rows, (job.diff_s, encode_s, upload_s)
+        return _Written(
+            job.version, rows, delta, anchor, anchor_encoding, changed, elements, seconds
+        ), sums
 
     def _put(self, job: _Job, data: bytes, kind: str, digest: StateDigest) -> PartRef:
         hashed = bytes_digest(data)
@@ -601,11 +577,7 @@ class Publisher:
         return self._owner.commit(manifest, version)
 
     def _after_commit(
-        self,
-        record: SyncRecord,
-        previous: Manifest | None,
-        manifest: Manifest,
-        uploaded: set[str],
+        self, record: SyncRecord, previous: Manifest | None, manifest: Manifest, uploaded: set[str]
     ) -> None:
         """Metrics record (unless the caller writes it), then retention: files the new manifest
         no longer names are deleted.

@@ -11,7 +11,7 @@ A rank that resumes a run of its own layout replays only its own part of each ve
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +23,7 @@ from deltasync.kernels.boxes import Box, box_sums
 from deltasync.kernels.changes import Diff, TensorChange, scatter
 from deltasync.kernels.state_hash import apply_changes
 from deltasync.publisher.checkpoint_names import CheckpointNames
-from deltasync.publisher.snapshot import NamedTensors, named_tensors
+from deltasync.publisher.snapshot import NamedTensors, named_items, named_tensors
 from deltasync.replica.replay import replay
 from deltasync.store import Store
 from deltasync.wire.digests import StateDigest, total
@@ -46,13 +46,9 @@ def local_rows(
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if isinstance(source, torch.nn.Module):
-        items: Iterable[tuple[str, torch.Tensor]] = source.named_parameters()
-    else:
-        items = source.items() if isinstance(source, Mapping) else source
     local: dict[str, torch.Tensor] = {}
     layout: dict[str, Box] = {}
-    for name, tensor in items:
+    for name, tensor in named_items(source):
         shape = tuple(tensor.shape)
         if not isinstance(tensor, DTensor):
             plain = [(name, tensor)] if names is None else names.apply([(name, tensor)])
@@ -91,8 +87,7 @@ def to_global(diff: Diff, layout: Mapping[str, Box]) -> Diff:
         name: TensorChange(change.indices + layout[name].offset, change.values, change.previous)
         for name, change in diff.changes.items()
     }
-    shapes = {name: layout[name].shape for name in diff.shapes}
-    return Diff(changes, {}, shapes)
+    return Diff(changes, {}, {name: layout[name].shape for name in diff.shapes})
 
 
 def part_info(rank: int, size: int, layout: Mapping[str, Box]) -> PartInfo:
@@ -160,14 +155,9 @@ class _RankRows:
             self.sums = apply_changes(self.sums, moved)
             for name, change in changes.items():
                 scatter(self.tensors[name], change.indices, change.values)
-        if total(self.sums) != meta.state_digest:
-            raise DigestMismatch(
-                "",
-                str(meta.state_digest),
-                str(total(self.sums)),
-                path=path,
-                message=f"part {self.rank} of version {meta.version} does not lead to its digest",
-            )
+        if (found := total(self.sums)) != meta.state_digest:
+            message = f"part {self.rank} of version {meta.version} does not lead to its digest"
+            raise DigestMismatch("", str(meta.state_digest), str(found), path=path, message=message)
         self.version = meta.version
 
 

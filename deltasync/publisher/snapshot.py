@@ -18,7 +18,9 @@ __all__ = [
     "Bf16Snapshot",
     "NamedTensors",
     "bf16_view",
+    "check_names",
     "digests_after",
+    "named_items",
     "named_tensors",
     "state_after",
 ]
@@ -35,22 +37,23 @@ def bf16_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
 
 
+def named_items(source: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs as `source` holds them: a module's parameters, a mapping's items."""
+    if isinstance(source, torch.nn.Module):
+        return source.named_parameters()
+    return source.items() if isinstance(source, Mapping) else source
+
+
 def named_tensors(source: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs from a module, a state dict or an iterable, without tied aliases.
 
     A tensor that shares storage, offset and shape with an earlier one (tied embeddings in a state
     dict) is skipped, as `Module.named_parameters()` does and as HF checkpoints expect.
     """
-    if isinstance(source, torch.nn.Module):
-        items: Iterable[tuple[str, torch.Tensor]] = source.named_parameters()
-    elif isinstance(source, Mapping):
-        items = source.items()
-    else:
-        items = source
     seen: set[tuple[int, int, tuple[int, ...], torch.dtype]] = set()
     names: set[str] = set()
     out = []
-    for name, tensor in items:
+    for name, tensor in named_items(source):
         if name in names:
             raise FormatError(f"duplicate parameter name {name!r}")
         names.add(name)
@@ -107,6 +110,16 @@ def _fold(pending: Sequence[Diff]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         last = np.append(idx[1:] != idx[:-1], True)
         folded[name] = (idx[last], bits[last])
     return folded
+
+
+def check_names(items: Sequence[tuple[str, torch.Tensor]], tensors: Mapping[str, object]) -> None:
+    """The parameters to diff must be the snapshot's `tensors`, no more and no fewer."""
+    names, known = {n for n, _ in items}, set(tensors)
+    if names != known:
+        missing, unknown = sorted(known - names)[:5], sorted(names - known)[:5]
+        raise FormatError(
+            f"parameter names differ from the snapshot: missing {missing}, unknown {unknown}"
+        )
 
 
 def state_after(tensors: Mapping[str, torch.Tensor], diff: Diff | None) -> dict[str, torch.Tensor]:
@@ -177,13 +190,7 @@ class Bf16Snapshot:
         """
         overlay = _fold(pending)
         items = named_tensors(source)
-        names = [n for n, _ in items]
-        if set(names) != set(self._tensors):
-            missing = sorted(set(self._tensors) - set(names))[:5]
-            unknown = sorted(set(names) - set(self._tensors))[:5]
-            raise FormatError(
-                f"parameter names differ from the snapshot: missing {missing}, unknown {unknown}"
-            )
+        check_names(items, self._tensors)
 
         def one(item: tuple[str, torch.Tensor]) -> tuple[str, TensorChange | None, str | None]:
             name, tensor = item

@@ -96,33 +96,27 @@ class Sink(Protocol):
 
     def shapes(self) -> Shapes:
         """Names and (whole) shapes of the state held; empty before the first anchor."""
-        ...
 
     def boxes(self, shapes: Shapes) -> Boxes | None:
         """The box of each tensor of a model of `shapes` that this sink holds (a tensor-parallel
         worker's slice), or None when it holds whole tensors."""
-        ...
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """The held state (each tensor's box, under tensor parallelism) as contiguous CPU bf16
         tensors by HF name; the caller only reads them. A device sink may make host copies as
         asked for."""
-        ...
 
     def stage(self, files: Sequence[StagedFile]) -> Any:
         """Build what `commit` needs (e.g. modules packed for the new values) without changing
         what is served; errors here leave everything as it was."""
-        ...
 
     def commit(self, files: Sequence[StagedFile], staged: Any) -> None:
         """Make the files' result the held state (the pause). Raising means nothing changed,
         or, where a sink cannot undo, that it holds nothing known (`shapes` is then empty)."""
-        ...
 
     def state_sums(self) -> dict[str, StateDigest]:
         """The full-state digest of every held tensor, computed where the state lives (on its
         device for a GPU sink); the replica's periodic full recompute, run while serving."""
-        ...
 
 
 class DictSink:
@@ -317,7 +311,8 @@ class Replica:
                 continue  # a version already held (a repeated notification)
             _check_chain(meta, run_id, version, shapes, path)
             on_held = meta.kind == "delta" and not staged
-            if on_held and self._recompute_due(since):
+            due = self.recompute_every and since >= self.recompute_every
+            if on_held and due and self.verify and self._sums is not None:
                 self._recompute()
                 since, recomputed = 0, True
             try:
@@ -400,10 +395,6 @@ class Replica:
         _check_state(meta, total(sums), path)
         return file, sums, since, None
 
-    def _recompute_due(self, since: int) -> bool:
-        due = self.recompute_every and since >= self.recompute_every
-        return bool(self.verify and due and self._sums is not None)
-
     def _recompute(self) -> None:
         """Recompute the held state's digests and compare them with the running ones.
 
@@ -419,19 +410,14 @@ class Replica:
             return  # a commit moved the state meanwhile; it also refuses this staging's base
         for name in sorted(set(running) | set(found)):
             if running.get(name) != found.get(name):
-                expected, held = running.get(name), found.get(name)
-                version = self.version
-                self.run_id, self.version, self._sums, self._digest = None, None, None, None
-                raise DigestMismatch(
-                    name,
-                    str(expected),
-                    str(held),
-                    message=(
-                        f"tensor {name!r} no longer matches version {version}: its bytes "
-                        f"changed without a delta (running digest {expected}, recomputed "
-                        f"{held}); the update is refused and the next one reloads an anchor"
-                    ),
+                expected, held, version = running.get(name), found.get(name), self.version
+                self.forget()
+                message = (
+                    f"tensor {name!r} no longer matches version {version}: its bytes "
+                    f"changed without a delta (running digest {expected}, recomputed "
+                    f"{held}); the update is refused and the next one reloads an anchor"
                 )
+                raise DigestMismatch(name, str(expected), str(held), message=message)
 
     def commit(
         self, staged: StagedUpdate, combined: Sequence[StateDigest] | None = None
@@ -466,14 +452,13 @@ class Replica:
             self.sink.commit(staged.files, staged.sink_state)
         except BaseException:
             if not self.sink.shapes():  # the sink could not undo: no version is known any more
-                self.run_id, self.version, self._sums, self._digest = None, None, None, None
+                self.forget()
             raise
         last = staged.files[-1].meta
         self.run_id, self.version = last.run_id, last.version
         self._sums, self._since_recompute = staged.sums, staged.since_recompute
-        if staged.sums is None:
-            self._digest = None
-        else:
+        self._digest = None
+        if staged.sums is not None:
             self._digest = combined[-1] if staged.partials else total(staged.sums)
         return staged.versions
 
@@ -483,8 +468,7 @@ class Replica:
         self.run_id, self.version, self._sums, self._digest = None, None, None, None
 
     def update(self, data: FileData, *, path: str | None = None) -> bool:
-        """Stage and commit one file; False when there was nothing to apply (a version already
-        held)."""
+        """Stage and commit one file; False when it was a version already held (nothing to do)."""
         return bool(self.commit(self.stage([(data, path)])))
 
     def sync(self, store: Store, *, target: int | None = None) -> list[int]:
@@ -506,11 +490,8 @@ class Replica:
         version has none (no part holds a whole tensor)."""
         tensors = self.sink.tensors()
         for name, entry in meta.tensors.items():
-            if entry.digest is None:
-                continue
-            found = tensor_digest(tensors[name])
-            if found != entry.digest:
-                raise DigestMismatch(name, entry.digest or "", found)
+            if entry.digest is not None:
+                _check_digest(name, tensors[name], entry.digest, None)
 
 
 def _check_chain(
@@ -526,33 +507,28 @@ def _check_chain(
                 expected=version,
                 found=meta.version,
             )
-        theirs = {n: e.shape for n, e in meta.tensors.items()}
-        if shapes and theirs != shapes:
-            diff = sorted(set(shapes.items()) ^ set(theirs.items()))[:5]
-            raise FormatError(f"anchor is for another model: tensors differ {diff}", path=path)
-        return
-    if version is None:
+    elif version is None:
         raise ChainError(
             f"cannot apply delta {meta.version} to an empty replica; load an anchor first",
             expected="anchor",
             found="delta",
         )
-    if meta.run_id != run_id:
+    elif meta.run_id != run_id:
         raise ChainError(
             f"delta of run {meta.run_id!r} refused: replica holds run {run_id!r}{where}",
             expected=run_id,
             found=meta.run_id,
         )
-    if meta.base_version != version:
+    elif meta.base_version != version:
         raise ChainError(
             f"delta {meta.version} has base {meta.base_version} but replica is at {version}{where}",
             expected=version,
             found=meta.base_version,
         )
     theirs = {n: e.shape for n, e in meta.tensors.items()}
-    if theirs != shapes:
+    if theirs != shapes and (shapes or meta.kind != "anchor"):  # any model fits an empty one
         diff = sorted(set(shapes.items()) ^ set(theirs.items()))[:5]
-        raise FormatError(f"delta is for another model: tensors differ {diff}", path=path)
+        raise FormatError(f"{meta.kind} is for another model: tensors differ {diff}", path=path)
 
 
 def _sums_after(
@@ -572,39 +548,31 @@ def _sums_after(
 
 def _check_state(meta: FileMetadata, found: StateDigest, path: str | None) -> None:
     """The state after a file must have the full-state digest the file promises (protocol 2)."""
-    if meta.state_digest is None:
-        return
-    if found != meta.state_digest:
-        raise DigestMismatch(
-            "",
-            meta.state_digest.hex(),
-            found.hex(),
-            path=path,
-            message=(
-                f"full-state digest mismatch{f' from {path}' if path else ''}: the state after "
-                f"version {meta.version} would be {found}, the file promises "
-                f"{meta.state_digest}; nothing was applied"
-            ),
+    if meta.state_digest is not None and found != meta.state_digest:
+        message = (
+            f"full-state digest mismatch{f' from {path}' if path else ''}: the state after "
+            f"version {meta.version} would be {found}, the file promises "
+            f"{meta.state_digest}; nothing was applied"
         )
+        raise DigestMismatch("", meta.state_digest.hex(), found.hex(), path=path, message=message)
 
 
 def _check_whole_boxes(decoded: DecodedFile, boxes: Boxes, path: str | None) -> None:
     """A slice that is the whole tensor (a norm every worker holds) is checked against the
     anchor's per-tensor digest: a worker that does not own it adds it to no digest share."""
     for name, tensor in decoded.tensors.items():
-        expected = decoded.meta.tensors[name].digest
-        if boxes[name].is_whole and expected is not None:
-            found = tensor_digest(tensor)
-            if found != expected:
-                raise DigestMismatch(name, expected, found, path=path)
+        if boxes[name].is_whole:
+            _check_digest(name, tensor, decoded.meta.tensors[name].digest, path)
+
+
+def _check_digest(name: str, tensor: torch.Tensor, expected: str | None, path: str | None) -> None:
+    """A tensor's bytes must hash to its digest in the file (None: nothing to check)."""
+    if expected is not None and (found := tensor_digest(tensor)) != expected:
+        raise DigestMismatch(name, expected, found, path=path)
 
 
 def _after(
-    decoded: DecodedFile,
-    state: _StateAfter,
-    verify: bool,
-    keep: bool,
-    path: str | None,
+    decoded: DecodedFile, state: _StateAfter, verify: bool, keep: bool, path: str | None
 ) -> dict[str, torch.Tensor]:
     """Check every tensor a file sets against its post-update digest (None: unverifiable);
     returns a delta's post-update copies of touched tensors when `keep`.
@@ -616,11 +584,8 @@ def _after(
     meta = decoded.meta
 
     def expect(name: str, tensor: torch.Tensor) -> None:
-        expected = meta.tensors[name].digest
-        if verify and expected is not None:
-            found = tensor_digest(tensor)
-            if found != expected:
-                raise DigestMismatch(name, expected, found, path=path)
+        if verify:
+            _check_digest(name, tensor, meta.tensors[name].digest, path)
 
     if meta.kind == "anchor":
         for name, tensor in decoded.tensors.items():

@@ -113,11 +113,8 @@ class LocalStore(Store):
         full = self._full(path)
 
         def measure() -> int:
-            fd = self._open_regular(full)
-            try:
-                return os.fstat(fd).st_size
-            finally:
-                os.close(fd)
+            with os.fdopen(self._open_regular(full), "rb") as f:
+                return os.fstat(f.fileno()).st_size
 
         return int(self._call("size", path, measure))
 

@@ -23,9 +23,8 @@ class S3Store(Store):
             etag = self.fs.info(full)["ETag"]
         except FileNotFoundError:
             etag = None
-        current = (
-            None if etag is None else self._current(full, max(len(data), len(expected or b"")))
-        )
+        limit = max(len(data), len(expected or b""))
+        current = None if etag is None else self._current(full, limit)
         if current == data:
             return
         if current != expected:

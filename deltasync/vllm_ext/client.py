@@ -109,9 +109,7 @@ class ReplicaClient:
         return (out or {}).get("results") or [None]
 
     def status(self) -> dict[str, Any]:
-        """The first worker's status with `staging` merged over all workers (tensor-parallel
-        workers stage in parallel: a version is ready once every worker has it ready); the
-        version and digest they hold must agree."""
+        """Every worker's status, merged (`protocol.merge_statuses`)."""
         return self._merged(self.rpc_all("deltasync_status"))
 
     def _merged(self, results: list[Any]) -> dict[str, Any]:
@@ -134,10 +132,7 @@ class ReplicaClient:
             if any(r != first for r in results[1:]):
                 raise ReplicaError("workers disagree on their digests", url=self.base_url)
             return first
-        if any((r["run_id"], r["version"]) != (first["run_id"], first["version"]) for r in results):
-            raise ReplicaError(
-                "workers hold different versions", url=self.base_url, body=str(results)
-            )
+        self._one_version(results)
         workers = [{"digests": r["digests"], "boxes": r["boxes"]} for r in results]
         return first | {"digests": None, "boxes": None, "workers": workers}
 
@@ -147,16 +142,17 @@ class ReplicaClient:
         results = self.rpc_all("deltasync_state_share")
         if not all(isinstance(r, dict) and "share" in r for r in results):
             raise ReplicaError("workers sent no digest share", url=self.base_url, body=str(results))
-        if any(
-            (r["run_id"], r["version"]) != (results[0]["run_id"], results[0]["version"])
-            for r in results
-        ):
-            raise ReplicaError(
-                "workers hold different versions", url=self.base_url, body=str(results)
-            )
+        self._one_version(results)
         if any(r["share"] is None for r in results):
             return results[0]["version"], None
         return results[0]["version"], total([StateDigest.parse(r["share"]) for r in results])
+
+    def _one_version(self, results: list[dict[str, Any]]) -> None:
+        first = (results[0]["run_id"], results[0]["version"])
+        if any((r["run_id"], r["version"]) != first for r in results):
+            raise ReplicaError(
+                "workers hold different versions", url=self.base_url, body=str(results)
+            )
 
     # -- weight sync ---------------------------------------------------------------------------
 

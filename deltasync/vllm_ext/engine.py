@@ -82,11 +82,9 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._draining: list[Future[_Staged]] = []  # evicted while running: still read state
         self._lock = threading.Lock()
         self.last_update: dict[str, Any] = {}
-        parallel = self.parallel_config
-        if parallel.pipeline_parallel_size != 1:
-            size = parallel.pipeline_parallel_size
+        if (size := self.parallel_config.pipeline_parallel_size) != 1:
             raise FormatError(f"deltasync supports pipeline parallel size 1; found {size}")
-        self.tp_size = parallel.tensor_parallel_size
+        self.tp_size = self.parallel_config.tensor_parallel_size
         # where vLLM's loaders put checkpoint tensors on this worker (read off a meta twin of
         # the served model, so nothing it serves with is touched)
         self._layout = LayoutOf(model, vllm_config, tp=_tp_position(self.tp_size))
@@ -157,8 +155,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """Start fetching, decoding and validating `version` in the background (idempotent).
 
         A slot that failed, was cancelled, or was staged from a state this replica no longer
-        holds is submitted again, so an error is never replayed; slots at or below the held
-        version and, past `MAX_STAGED`, the oldest others are dropped."""
+        holds is submitted again, so an error is never replayed; `_evict` drops stale slots."""
         store, state = self._ready()
         with self._lock:
             self._evict(keep=version)
@@ -190,13 +187,8 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if manifest is None:
             raise FormatError(f"bucket {store.url} has no manifest yet")
         if path is not None:
-            names = {
-                f.path
-                for e in (*manifest.anchors, *manifest.deltas)
-                if e.version == target
-                for f in e.files
-            }
-            if path not in names:
+            listed = [e for e in (*manifest.anchors, *manifest.deltas) if e.version == target]
+            if path not in {f.path for e in listed for f in e.files}:
                 raise FormatError(f"the manifest has no file {path!r} for version {target}")
         held = state.state_digest
         entries = manifest.plan(*base, target, digest=held and held.hex())
@@ -249,18 +241,12 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             state = self._ready()[1]
             held = (state.run_id, state.version)
             staged = self._settled_take(info)
-            update = staged.update
             boxes = None
-            anchors = [f.meta for f in update.files if f.meta.kind == "anchor"]
-            if anchors:
+            if anchors := [f.meta for f in staged.update.files if f.meta.kind == "anchor"]:
                 shapes = {n: e.shape for n, e in anchors[-1].tensors.items()}
-                boxes = (shapes, self._ready()[1].sink.boxes(shapes))
-            mine: tuple[str | None, list[str], Any, Any] = (
-                None,
-                [p.hex() for p in update.partials],
-                boxes,
-                held,
-            )
+                boxes = (shapes, state.sink.boxes(shapes))
+            partials = [p.hex() for p in staged.update.partials]
+            mine: tuple[str | None, list[str], Any, Any] = (None, partials, boxes, held)
         except Exception as exc:  # the others wait for this worker's answer either way
             mine = (f"{type(exc).__name__}: {exc}", [], None, held)
         group = get_tp_group()
@@ -273,20 +259,18 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 f"TP workers held different versions {[b for *_, b in found]}; every worker "
                 "replays from an anchor at the next update"
             )
-        found = [f[:3] for f in found]
-        failed = [(rank, error) for rank, (error, _, _) in enumerate(found) if error]
-        if failed:
-            rank, error = failed[0]
-            raise DeltaSyncError(
-                f"TP worker {rank} could not stage version {info.version}: {error}"
-            )
+        for rank, (error, *_) in enumerate(found):
+            if error:
+                raise DeltaSyncError(
+                    f"TP worker {rank} could not stage version {info.version}: {error}"
+                )
         assert staged is not None
-        layouts = [layout for _, _, layout in found]
+        layouts = [layout for _, _, layout, _ in found]
         if any(layout is not None for layout in layouts):
             if any(layout is None for layout in layouts):
                 raise DeltaSyncError("TP workers staged different updates")
             check_cover([boxes for _, boxes in layouts], layouts[0][0])
-        shares = [[StateDigest.parse(h) for h in partials] for _, partials, _ in found]
+        shares = [[StateDigest.parse(h) for h in partials] for _, partials, *_ in found]
         if any(len(s) != len(shares[0]) for s in shares):
             raise DeltaSyncError("TP workers staged different updates")
         if not shares[0]:

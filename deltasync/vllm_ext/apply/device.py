@@ -165,9 +165,8 @@ class InPlaceSink:
                     tensor=name,
                     path=path,
                 )
-            box = placement.box
-            run = data.view(-1)[placement.offset : placement.offset + box.numel]
-            views[name] = run.view(box.local_shape)
+            run = data.view(-1)[placement.offset : placement.offset + placement.box.numel]
+            views[name] = run.view(placement.box.local_shape)
         return views
 
 

@@ -124,17 +124,10 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.copy_.default:
             dst, src = args[0], args[1]
-            param = self.params.get(_storage_id(dst))
-            if param is not None:
-                self.writes.append(
-                    Write(
-                        param,
-                        _geometry(dst),
-                        self.sources.get(_storage_id(src)),
-                        _geometry(src),
-                        (src.dtype, dst.dtype),
-                    )
-                )
+            if (param := self.params.get(_storage_id(dst))) is not None:
+                source = self.sources.get(_storage_id(src))
+                dtypes = (src.dtype, dst.dtype)
+                self.writes.append(Write(param, _geometry(dst), source, _geometry(src), dtypes))
             return dst
         return func(*args, **(kwargs or {}))
 
@@ -272,11 +265,7 @@ def _placement(name: str, shape: tuple[int, ...], write: Write) -> Placement:
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 def _box(
@@ -296,8 +285,7 @@ def _box(
         if math.prod(view) == math.prod(shape) and offset == 0 and stride == _contiguous(view):
             return Box.whole(shape)  # the whole tensor, reshaped (a view, same elements)
         raise FormatError(f"vLLM reads it as a strided view {view} / {stride} (transposed?)")
-    starts = []
-    rest = offset
+    starts, rest = [], offset
     for step in full:
         starts.append(rest // step)
         rest %= step

@@ -9,11 +9,9 @@ tensors into the shadow and the packed modules into the model. Without a swapper
 self-check passed, or when a touched module is not a plain linear, embedding or norm (a MoE
 layer), `commit` reloads the touched modules instead (`vllm_reloader`), each with every
 checkpoint tensor it loads (`layout.Layout.groups`, read off vLLM's loaders; a partial group
-would leave the rest uninitialised): plain modules through vLLM's layerwise reload and its
-`process_weights_after_loading`, MoE layers by a fresh load on a twin (`fresh`), and the tied LM
-head is repacked when the embedding changed. A module whose loaders did not
-receive every element they load is a failed commit, never a warning: the previous version is
-reloaded and keeps serving. Shadow tensors are never written in place.
+would leave the rest uninitialised). A module whose loaders did not receive every element they
+load is a failed commit, never a warning: the previous version is reloaded and keeps serving.
+Shadow tensors are never written in place.
 
 Under tensor parallelism (a `boxes_of`) the shadow holds only this worker's box of each tensor
 (`deltasync.kernels.boxes`); a reload hands vLLM's loaders whole-shaped tensors with the box
@@ -31,7 +29,7 @@ from typing import Any
 import torch
 
 from deltasync.errors import ReloadError
-from deltasync.kernels.boxes import Box, Boxes, box_sums
+from deltasync.kernels.boxes import Boxes, box_sums
 from deltasync.kernels.state_hash import state_sums
 from deltasync.replica.replica import Shapes, StagedFile, next_state
 from deltasync.vllm_ext.apply.fresh import fresh_modules
@@ -172,18 +170,14 @@ class ShadowSink:
 
     def _whole(self, name: str) -> torch.Tensor:
         """The tensor as vLLM's loaders take it: whole-shaped, this worker's box filled in."""
-        tensor = self.shadow[name]
+        local = self.shadow[name]
         box = None if self.held_boxes is None else self.held_boxes[name]
         if box is None or box.is_whole:
-            return tensor
-        return _placed(tensor, box)
-
-
-def _placed(local: torch.Tensor, box: Box) -> torch.Tensor:
-    whole = torch.empty(box.shape, dtype=local.dtype)
-    rows = whole[box.rows[0] : box.rows[1]]
-    (rows if box.cols is None else rows[:, box.cols[0] : box.cols[1]]).copy_(local)
-    return whole
+            return local
+        whole = torch.empty(box.shape, dtype=local.dtype)
+        rows = whole[box.rows[0] : box.rows[1]]
+        (rows if box.cols is None else rows[:, box.cols[0] : box.cols[1]]).copy_(local)
+        return whole
 
 
 def vllm_reloader(model: torch.nn.Module, vllm_config: Any) -> Reloader:
@@ -224,8 +218,8 @@ def vllm_reloader(model: torch.nn.Module, vllm_config: Any) -> Reloader:
         if short:
             raise ReloadError(f"vLLM's loaders did not receive every element of {short}")
         head = getattr(model, "lm_head", None)
-        embed = _embedding_module(model, modules)
-        if head is not None and embed is not None and head.weight is embed.weight:
+        embeds = [layers[i] for i, m in enumerate(modules) if m.endswith("embed_tokens")]
+        if head is not None and embeds and head.weight is embeds[0].weight:
             layers.append(head)  # tied: the head's GEMM packs the embedding
         for layer in layers:
             _repack_kept_weight(layer)
@@ -268,11 +262,3 @@ def _repack_kept_weight(layer: torch.nn.Module) -> None:
     weight = getattr(layer, "weight", None)
     if method is not None and isinstance(weight, torch.Tensor) and weight.numel() > 0:
         method.process_weights_after_loading(layer)
-
-
-def _embedding_module(model: torch.nn.Module, modules: list[str]) -> torch.nn.Module | None:
-    for name in modules:
-        layer = model.get_submodule(name)
-        if isinstance(layer, torch.nn.Module) and name.endswith("embed_tokens"):
-            return layer
-    return None

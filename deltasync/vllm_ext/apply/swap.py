@@ -97,7 +97,9 @@ class CpuGemmSwapper:
         for module_name, members in layout.groups.items():
             if touched & set(members):
                 module = self.model.get_submodule(module_name)
-                _check_swappable(module_name, module)
+                if not swappable(module):
+                    method = type(getattr(module, "quant_method", None)).__name__
+                    raise NotSwappable(f"{module_name} ({type(module).__name__}, {method})")
                 members_now = {n: tensors[n] for n in members}
                 data = self._served_values(layout, module_name, module, members_now)
                 packed.modules[module_name] = self._pack_module(module, data)
@@ -144,13 +146,8 @@ class CpuGemmSwapper:
         """
         problems = []
         layout = self.layout({n: tuple(t.shape) for n, t in tensors.items()})
-        plain = {
-            n
-            for m, members in layout.groups.items()
-            if swappable(self.model.get_submodule(m))
-            for n in members
-        }
-        packed = self.pack(tensors, plain)
+        plain = [m for m in layout.groups if swappable(self.model.get_submodule(m))]
+        packed = self.pack(tensors, {n for m in plain for n in layout.groups[m]})
         generator = torch.Generator().manual_seed(0)
         for name, item in packed.modules.items():
             module = item.module
@@ -160,8 +157,7 @@ class CpuGemmSwapper:
                     problems.append(f"{name}.{attr}: served values differ from the checkpoint's")
             if item.cpu_linear is None:
                 continue
-            probe = torch.randn(PROBE_ROWS, item.in_features, generator=generator)
-            probe = probe.to(torch.bfloat16)
+            probe = torch.randn(PROBE_ROWS, item.in_features, generator=generator).bfloat16()
             with torch.no_grad():
                 served = module.cpu_linear(probe, module.weight, getattr(module, "bias", None))
                 ours = item.cpu_linear(
@@ -235,12 +231,6 @@ def swappable(module: torch.nn.Module) -> bool:
     quantization method (a norm, read directly)."""
     method = getattr(module, "quant_method", None)
     return method is None or type(method).__name__ in SWAPPABLE_METHODS
-
-
-def _check_swappable(module_name: str, module: torch.nn.Module) -> None:
-    if not swappable(module):
-        method = type(getattr(module, "quant_method", None)).__name__
-        raise NotSwappable(f"{module_name} ({type(module).__name__}, {method})")
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -31,9 +31,7 @@ def server_env(base: dict[str, str] | None = None, *, cpu: bool | None = None) -
     1 GiB instead of most of the RAM. Set DELTASYNC_KEEP_TORCHVISION=1 to keep them importable.
     """
     env = dict(os.environ if base is None else base)
-    if cpu is None:
-        cpu = is_vllm_cpu()
-    if cpu:
+    if is_vllm_cpu() if cpu is None else cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if env.get("DELTASYNC_KEEP_TORCHVISION") != "1":
             env["DELTASYNC_BLOCK_MODULES"] = ",".join(BLOCKED_MODULES)

@@ -129,9 +129,7 @@ class Follower:
     def start(self, engine: Any) -> None:
         """Start polling in the running event loop (the server's), once."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(
-                self._run(engine), name="deltasync-follow"
-            )
+            self._task = asyncio.create_task(self._run(engine), name="deltasync-follow")
 
     async def stop(self) -> None:
         """Stop polling (server shutdown); a sync under way is cancelled, which resumes
@@ -212,8 +210,7 @@ class Follower:
         except ChainError as exc:  # behind the served version, or a fork
             return self._ignore(key, "chain", str(exc))
         if not route:
-            self._handled, self._recheck_at = key, None
-            self._followed_at = manifest.updated_at
+            self._handled, self._recheck_at, self._followed_at = key, None, manifest.updated_at
             self.versions_behind = 0
             return self._note("up to date", "")
         if version is not None and route[0].kind == "anchor":
@@ -237,18 +234,11 @@ class Follower:
             if exc.status in (409, 422):  # this replica cannot take that version as it stands
                 return self._ignore(key, "refused", f"version {target} was refused: {exc}")
             raise _Failed(f"sync {exc.status}", f"sync to version {target} failed: {exc}") from None
-        self._handled, self._recheck_at = key, None
-        self._followed_at = manifest.updated_at
+        self._handled, self._recheck_at, self._followed_at = key, None, manifest.updated_at
         self.served_version, self.versions_behind = answer["version"], 0
         self.synced += 1
-        self.last_sync = {
-            "version": answer["version"],
-            "previous_version": version,
-            "at": time.time(),
-            "files": answer["files"],
-            "bytes": answer["bytes"],
-            "pause_s": answer["pause_s"],
-        }
+        synced = {"version": answer["version"], "previous_version": version, "at": time.time()}
+        self.last_sync = synced | {name: answer[name] for name in ("files", "bytes", "pause_s")}
         self._note("up to date", "")
 
     def _older_run(self, manifest: Manifest) -> bool:
@@ -303,12 +293,8 @@ class Follower:
     def _ignore(self, key: str | None, kind: str, why: str) -> None:
         self._handled = key
         self._recheck_at = time.monotonic() + self.config.max_backoff_s
-        self._note(
-            "ignoring",
-            kind,
-            f"{why}; keeping version {self.served_version} until the bucket moves on",
-            logging.WARNING,
-        )
+        message = f"{why}; keeping version {self.served_version} until the bucket moves on"
+        self._note("ignoring", kind, message, logging.WARNING)
 
     def _failed(self, failed: _Failed) -> float:
         if not self.failures:
@@ -318,13 +304,8 @@ class Follower:
         self.last_error_at = time.time()
         cap = max(self.config.max_backoff_s, self.config.interval_s)
         delay = self._jittered(min(cap, self.config.interval_s * 2**self.failures))
-        self._note(
-            "retrying",
-            failed.kind,
-            f"{failed}; serving version {self.served_version}, retrying with backoff "
-            f"(up to {cap:g} s)",
-            logging.WARNING,
-        )
+        serving = f"serving version {self.served_version}, retrying with backoff (up to {cap:g} s)"
+        self._note("retrying", failed.kind, f"{failed}; {serving}", logging.WARNING)
         return delay
 
     def _note(

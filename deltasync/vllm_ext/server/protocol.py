@@ -137,8 +137,7 @@ class SyncRequest:
     Attributes:
         version: the version to serve, a JSON integer (a string, float or bool is refused);
             the replica reaches it from what it holds by the bucket's chain.
-        path: the file the trainer notified (optional); it must be the manifest's file for
-            `version`.
+        path: as in `UpdateInfo`.
     """
 
     version: int

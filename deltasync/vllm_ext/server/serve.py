@@ -203,26 +203,24 @@ def bootstrap(
     if manifest is None:
         log.info("bucket %s is empty: serving nothing until the first version arrives", bucket)
         return None
+    latest = manifest.latest_version
     try:
-        timings = client.sync_to(manifest.latest_version)
+        timings = client.sync_to(latest)
     except ReplicaError:
         # The trainer may have synced this replica past the version read above meanwhile.
         status = client.status()
-        if (
-            status["run_id"] == manifest.run_id
-            and (status["version"] or 0) >= manifest.latest_version
-        ):
+        if status["run_id"] == manifest.run_id and (status["version"] or 0) >= latest:
             log.info("already at version %s of run %s", status["version"], manifest.run_id)
             return status["version"]
         raise
     log.info(
         "caught up with %s: version %d of run %s (%.2fs)",
         bucket,
-        manifest.latest_version,
+        latest,
         manifest.run_id,
         timings["stage_s"] + timings["pause_s"],
     )
-    return manifest.latest_version
+    return latest
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> int:
