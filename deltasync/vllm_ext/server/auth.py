@@ -25,7 +25,10 @@ DELTASYNC_DEV_ROUTES=1 (vLLM's other routes for loopback clients, for benchmarks
 DELTASYNC_FOLLOW=1 (run a `follow.Follower`, started with the server's event loop and stopped
 at its shutdown) and DELTASYNC_FOLLOW_INTERVAL_S (default 2).
 `LoopbackMiddleware` is the same policy without a token, for loopback clients only
-(`serve --insecure-no-auth`).
+(`serve --insecure-no-auth`); as a web page on the same machine is a loopback client too, it
+also refuses (403) what only a browser sends: a `Host` that is not a loopback literal (DNS
+rebinding), any `Origin`, and a POST body that is not `application/json` (a CORS "simple
+request" needs no preflight).
 """
 
 from __future__ import annotations
@@ -98,6 +101,37 @@ log = logging.getLogger("deltasync.auth")
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    value = next((v for k, v in scope.get("headers", ()) if k.lower() == name), None)
+    return None if value is None else value.decode("latin-1")
+
+
+def _loopback_host(host: str | None) -> bool:
+    """`Host` names this machine by a loopback literal (any port: port-forwards keep working)."""
+    if not host:
+        return False
+    # "[::1]:8001" -> "::1", "127.0.0.1:8001" -> "127.0.0.1"
+    name = host[1 : host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _browser_problem(scope: dict[str, Any], method: str) -> str | None:
+    """Why a request without a token looks like a web page's, None when it does not."""
+    if not _loopback_host(_header(scope, b"host")):
+        return "Host is not a loopback address (127.0.0.1, localhost, [::1])"
+    if _header(scope, b"origin") is not None:
+        return "requests with an Origin are refused"
+    content_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+    if method == "POST" and content_type != "application/json":
+        return "POST body must be application/json"
+    return None
 
 
 def _is_loopback(scope: dict[str, Any]) -> bool:
@@ -175,12 +209,7 @@ class BearerAuthMiddleware:
     def _authorized(self, scope: dict[str, Any]) -> bool:
         if self._expected is None:
             return _is_loopback(scope)
-        value = b""
-        for key, header in scope.get("headers", ()):
-            if key.lower() == b"authorization":
-                value = header
-                break
-        scheme, _, token = value.decode("latin-1").partition(" ")
+        scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
         # Hash both sides so the comparison takes the same time whatever the token's length.
         matches = hmac.compare_digest(_digest(token.strip()), self._expected)
         return scheme.lower() == "bearer" and matches
@@ -200,6 +229,9 @@ class BearerAuthMiddleware:
         try:
             if route != OPEN and not self._authorized(scope):
                 raise _Refused(401, "missing or wrong bearer token")
+            if self._expected is None and (problem := _browser_problem(scope, method)):
+                log.warning("deltasync: refused %s %s: %s", method, _one_line(path, 200), problem)
+                raise _Refused(403, problem)
             if route is None:
                 if not (self.dev_routes and _is_loopback(scope)):
                     shown = _one_line(path, 200)
@@ -229,7 +261,7 @@ class BearerAuthMiddleware:
             method = json.loads(body).get("method")
         except (ValueError, AttributeError, RecursionError):
             return False
-        return method not in RPC_METHODS
+        return isinstance(method, str) and method not in RPC_METHODS
 
     async def _has_version(self, scope: dict[str, Any]) -> bool:
         """True once the engine reports a recorded weight version (then cached for good)."""

@@ -26,8 +26,10 @@ trainer's push that arrives after the follower applied its version changes nothi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,7 +180,7 @@ class ControlPlane:
         served = held["version"] == version and before == str(version)
         if served and await self._bucket_leads_nowhere(held, version):
             log.info("deltasync: version %d already served (%s sync: no-op)", version, by)
-            return _noop_answer(held, before)
+            return _answer(held, before)
         await self._settle(engine, version, args)
         stage_s = time.monotonic() - started
         pause = await self._pause(engine, version)
@@ -258,8 +260,7 @@ class ControlPlane:
     ) -> dict[str, Any]:
         """`deltasync_apply` on every worker; the status they agree on, at `version`."""
         results = await self._call(engine, "deltasync_apply", args)
-        errors = [r for r in results if isinstance(r, dict) and r.get("error")]
-        if errors:
+        if errors := [r for r in results if isinstance(r, dict) and r.get("error")]:
             raise ControlError(
                 _STATUS_OF.get(errors[0].get("error_type"), 500),
                 f"version {version} was not applied: {errors[0]['error']}",
@@ -324,6 +325,8 @@ class ControlPlane:
         if not isinstance(body, dict):
             raise ControlError(422, "the body must be a JSON object")
         method = body.get("method")
+        if not isinstance(method, str):
+            raise ControlError(422, "method must be a string")
         if method not in RPC_METHODS:
             raise ControlError(
                 403,
@@ -361,11 +364,8 @@ class ControlPlane:
         info = _parse(InitInfo, body["init_info"], "init_info")
         async with self._held():
             results = await self._call(engine, "deltasync_init", {"init_info": body["init_info"]})
-        refused = next(
-            (r["refused"] for r in results if isinstance(r, dict) and r["refused"]), None
-        )
-        if refused:
-            raise ControlError(403, refused)
+        if refusals := [r["refused"] for r in results if isinstance(r, dict) and r["refused"]]:
+            raise ControlError(403, refusals[0])
         return {"message": "Weight transfer initialized", "bucket": info.bucket}
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -374,8 +374,20 @@ class ControlPlane:
         """The workers' merged `deltasync_status`: bucket, run, version and digest they hold."""
         return _merged(await self._call(engine, "deltasync_status"))
 
-    def _held(self) -> _Held:
-        return _Held(self._lock, self.config.busy_timeout_s)
+    @contextlib.asynccontextmanager
+    async def _held(self) -> AsyncIterator[None]:
+        """The control lock, waited for at most `busy_timeout_s` (then 503)."""
+        timeout_s = self.config.busy_timeout_s
+        try:
+            await asyncio.wait_for(self._lock.acquire(), timeout_s)
+        except TimeoutError:
+            raise ControlError(
+                503, f"another sync held this replica for over {timeout_s:g} s; try again"
+            ) from None
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     async def _call(self, engine: Any, method: str, kwargs: dict[str, Any] | None = None) -> list:
         try:
@@ -386,36 +398,25 @@ class ControlPlane:
         return list(results or [None])
 
 
-class _Held:
-    """`async with`: the control lock, waited for at most `timeout_s` (then 503)."""
-
-    def __init__(self, lock: asyncio.Lock, timeout_s: float):
-        self.lock, self.timeout_s = lock, timeout_s
-
-    async def __aenter__(self) -> None:
-        try:
-            await asyncio.wait_for(self.lock.acquire(), self.timeout_s)
-        except TimeoutError:
-            raise ControlError(
-                503, f"another sync held this replica for over {self.timeout_s:g} s; try again"
-            ) from None
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.lock.release()
-
-
 def _answer(
-    status: dict[str, Any], before: str, stage_s: float, pause: _Pause, cache_cleared: bool
+    status: dict[str, Any],
+    before: str,
+    stage_s: float = 0.0,
+    pause: _Pause | None = None,
+    cache_cleared: bool = False,
 ) -> dict[str, Any]:
-    """The sync answer: what the workers verified, and how long staging and the pause took."""
+    """The sync answer: what the workers verified, and how long staging and the pause took.
+    Without a pause, a no-op: the version asked for is the one served, nothing staged or paused."""
     update = status.get("last_update") or {}
+    if pause is None:
+        update = {"bytes": 0, "files": [], "applied": [], "swapped": False}
     return {
         "version": status["version"],
         "previous_version": before,
         "run_id": status["run_id"],
         "state_digest": status["state_digest"],
         "stage_s": round(stage_s, 4),
-        "pause_s": round((pause.ended or time.monotonic()) - pause.started, 4),
+        "pause_s": round((pause.ended or time.monotonic()) - pause.started, 4) if pause else 0.0,
         "apply_s": update.get("apply_s"),
         "commit_s": update.get("commit_s"),
         "bytes": update.get("bytes"),
@@ -423,29 +424,8 @@ def _answer(
         "applied": update.get("applied"),
         "swapped": update.get("swapped"),
         "prefix_cache_cleared": cache_cleared,
-        "pause_expired": pause.expired,
-        "noop": False,
-    }
-
-
-def _noop_answer(held: dict[str, Any], before: str) -> dict[str, Any]:
-    """The sync answer when the version asked for is the one served: nothing staged or paused."""
-    return {
-        "version": held["version"],
-        "previous_version": before,
-        "run_id": held["run_id"],
-        "state_digest": held["state_digest"],
-        "stage_s": 0.0,
-        "pause_s": 0.0,
-        "apply_s": None,
-        "commit_s": None,
-        "bytes": 0,
-        "files": [],
-        "applied": [],
-        "swapped": False,
-        "prefix_cache_cleared": False,
-        "pause_expired": False,
-        "noop": True,
+        "pause_expired": pause is not None and pause.expired,
+        "noop": pause is None,
     }
 
 

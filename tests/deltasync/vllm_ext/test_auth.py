@@ -38,9 +38,25 @@ class App:
         await send({"type": "http.response.body", "body": b"{}"})
 
 
-def call(mw, app, path, *, auth=None, method="POST", kind="http", body=b"", client="127.0.0.1"):
-    """One request through the middleware; returns what it sent."""
-    headers = [(b"host", b"x")]
+def call(
+    mw,
+    app,
+    path,
+    *,
+    auth=None,
+    method="POST",
+    kind="http",
+    body=b"",
+    client="127.0.0.1",
+    host="127.0.0.1:8001",
+    headers=(),
+):
+    """One request through the middleware (a POST says its body is JSON unless `headers` give
+    a content type); returns what it sent."""
+    given = {k.lower() for k, _ in headers}
+    headers = [(b"host", host.encode()), *((k.encode(), v.encode()) for k, v in headers)]
+    if method == "POST" and "content-type" not in given:
+        headers.append((b"content-type", b"application/json"))
     if auth is not None:
         headers.append((b"authorization", auth.encode()))
     scope = {
@@ -219,6 +235,44 @@ def test_the_loopback_middleware_needs_no_token_but_a_loopback_client():
     assert status(call(mw, app, "/pause")) == 403
 
 
+BROWSER_SHAPED = [
+    ({"host": "evil.test:8001"}, "Host is not a loopback address"),  # DNS rebinding
+    ({"host": "127.0.0.1.evil.test"}, "Host is not a loopback address"),
+    ({"host": ""}, "Host is not a loopback address"),
+    ({"headers": (("Origin", "http://evil.test"),)}, "Origin"),
+    ({"headers": (("Origin", "null"),)}, "Origin"),
+    ({"headers": (("Content-Type", "text/plain"),)}, "application/json"),  # CORS simple
+    ({"headers": (("Content-Type", "application/x-www-form-urlencoded"),)}, "application/json"),
+    ({"headers": (("Content-Type", "multipart/form-data; boundary=x"),)}, "application/json"),
+]
+
+
+@pytest.mark.parametrize("path", ["/deltasync/sync", "/collective_rpc", "/v1/completions"])
+@pytest.mark.parametrize(("shape", "phrase"), BROWSER_SHAPED)
+def test_without_a_token_browser_shaped_requests_are_refused(path, shape, phrase):
+    """A web page on the same machine is a loopback client: without auth, what only a browser
+    sends is 403 before anything is read or forwarded."""
+    app = App("1")
+    sent = call(LoopbackMiddleware(app), app, path, body=b"{}", **shape)
+    assert status(sent) == 403 and phrase in answer(sent)["error"]
+    assert app.calls == []
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:8001", "localhost:18001", "[::1]:8001", "127.0.0.2"])
+def test_without_a_token_a_port_forwarded_loopback_host_still_works(host):
+    app = App("1")
+    assert status(call(LoopbackMiddleware(app), app, "/v1/completions", host=host)) == 200
+    assert status(call(LoopbackMiddleware(app), app, "/health", method="GET", host=host)) == 200
+
+
+def test_with_a_token_the_host_and_origin_are_not_checked():
+    """A Space is reached through the Hub's proxy under its own name; the token is the guard."""
+    app = App("1")
+    mw = BearerAuthMiddleware(app, token=TOKEN)
+    sent = call(mw, app, "/v1/completions", auth=AUTH, host="alice-vllm-0.hf.space")
+    assert status(sent) == 200
+
+
 def test_a_refused_path_stays_on_one_log_line(caplog):
     app = App("1")
     mw = BearerAuthMiddleware(app, token=TOKEN)
@@ -226,3 +280,16 @@ def test_a_refused_path_stays_on_one_log_line(caplog):
     assert status(sent) == 403
     (record,) = [r for r in caplog.records if r.name.startswith("deltasync")]
     assert "\n" not in record.getMessage() and "\\n" in record.getMessage()
+
+
+@pytest.mark.parametrize("dev_routes", [False, True])
+@pytest.mark.parametrize("method", [["deltasync_status"], {"a": 1}, 7, None])
+def test_a_non_string_rpc_method_is_a_422_on_one_warning_line(caplog, dev_routes, method):
+    app = App("1")
+    mw = BearerAuthMiddleware(app, token=TOKEN, dev_routes=dev_routes)
+    body = json.dumps({"method": method}).encode()
+    with caplog.at_level("INFO", logger="deltasync"):
+        sent = call(mw, app, "/collective_rpc", auth=AUTH, body=body)
+    assert (status(sent), answer(sent)) == (422, {"error": "method must be a string"})
+    (record,) = [r for r in caplog.records if "collective_rpc" in r.getMessage()]
+    assert record.levelname == "WARNING" and app.calls == []
