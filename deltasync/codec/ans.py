@@ -1,13 +1,9 @@
 """The `ans` delta encoding: index gaps and bf16 value steps under a static rANS coder.
 
-Per changed tensor two U8 tensors, each one `rans` integer stream:
-- `<name>.gaps`: `index[i] - index[i-1] - 1` (index[-1] = -1), with `raw_bits` low bits raw, where
-  `2**raw_bits` is about a quarter of the mean gap: the low bits of a geometric gap are close to
-  uniform, the quotient above them is coded by its empirical distribution, so the stream costs
-  about the entropy of the index set (log2 C(numel, changed));
-- `<name>.vals`: `zigzag(int16(new_bits - base_bits)) - 1` (never negative: a changed value
-  differs), no raw bits: the step distribution (80 % one step of the bit pattern) is coded at its
-  empirical entropy, per tensor.
+Per changed tensor two U8 tensors, each one `rans` integer stream (bucket_layout.md, "Delta,
+`encoding=ans`"): `<name>.gaps` holds the index gaps, their low bits raw (`gap_raw_bits`), at
+about the entropy of the index set (log2 C(numel, changed)); `<name>.vals` holds the bf16
+bit-pattern steps (80 % of them one step) at their empirical entropy, per tensor.
 The tables travel in the streams (a few dozen bytes per tensor). Values are only decodable
 against the exact base version, which the chain guarantees and the digests confirm.
 """

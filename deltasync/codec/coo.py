@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -20,9 +22,7 @@ def encode_changes(
     """Ascending int32 flat indices and new absolute bf16 values per changed tensor."""
     out = {}
     for name, change in changes.items():
-        numel = 1
-        for d in shapes[name]:
-            numel *= d
+        numel = math.prod(shapes[name])
         if numel - 1 > _INT32_MAX:
             raise FormatError(
                 "coo stores int32 indices; use encoding 'packed' for tensors past "

@@ -186,12 +186,10 @@ def encode_delta(
         state_digest=state_digest,  # type: ignore[arg-type]
         part=part,
     )
-    if encoding == "ans":
-        payload = ans.encode_changes(diff.changes)
-    elif encoding == "packed":
-        payload = packed.encode_changes(diff.changes)
-    else:
+    if encoding == "coo":
         payload = coo.encode_changes(diff.changes, diff.shapes)
+    else:
+        payload = (ans if encoding == "ans" else packed).encode_changes(diff.changes)
     return safetensors.torch.save(payload, metadata=meta.to_strings())
 
 
@@ -412,14 +410,8 @@ def _decode_one(
     try:
         if meta.encoding in ("ans", "packed"):
             module = ans if meta.encoding == "ans" else packed
-            change = module.decode_tensor(
-                tensors[f"{name}.gaps"],
-                tensors[f"{name}.vals"],
-                entry.changed,
-                target,
-                offset=offset,
-                box=box,
-            )
+            gaps, vals = tensors[f"{name}.gaps"], tensors[f"{name}.vals"]
+            change = module.decode_tensor(gaps, vals, entry.changed, target, offset=offset, box=box)
         else:
             indices = tensors[f"{name}.indices"]
             if indices.numel() != entry.changed:

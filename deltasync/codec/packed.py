@@ -1,10 +1,9 @@
 """The `packed` delta encoding: gap-coded indices and bit-pattern value differences under zstd.
 
-Per changed tensor two U8 tensors:
-- `<name>.gaps`: zstd(LEB128(index[i] - index[i-1] - 1)), with index[-1] = -1;
-- `<name>.vals`: zstd(LEB128(zigzag(int16(new_bits - base_bits)))), modulo 2**16.
-About 80 % of changed bf16 values move by one step of their bit pattern, so most value codes are
-1 or 2; values are only decodable against the exact base version, which the chain guarantees.
+Per changed tensor `<name>.gaps` and `<name>.vals`, LEB128 varints (`varint`) in one zstd frame
+each (bucket_layout.md, "Delta, `encoding=packed`"). About 80 % of changed bf16 values move by
+one step of their bit pattern, so most value codes are 1 or 2; values are only decodable against
+the exact base version, which the chain guarantees.
 """
 
 from __future__ import annotations

@@ -9,10 +9,7 @@ empirical entropy of its symbols plus the raw bits: index gaps reach the entropy
 set, bf16 value steps (80 % of them one step of the bit pattern) the entropy of their
 distribution.
 
-Layout (little-endian; bucket_layout.md):
-    u8 raw_bits | LEB128 table size T | T x LEB128 frequency (their sum is 2**PROB_BITS)
-    | LEB128 byte count R | R bytes of raw bits (LSB first)
-    | rANS: two u32 states (integer i is coded by state i % 2), then u16 words
+The byte layout of a stream: bucket_layout.md, "Delta, `encoding=ans`".
 
 Both directions are single compiled passes. Decoding reads untrusted bytes: the header is
 parsed with bounds checks, the table must sum to 2**PROB_BITS, every read is bounds-checked in

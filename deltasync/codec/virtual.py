@@ -78,8 +78,7 @@ def source_differences(source: ModelSource, tensors: Mapping[str, torch.Tensor])
     differ = sorted(set(tensors) - set(files))
     try:
         for name, loaded in source_tensors(source, shapes, files=files):
-            ours = tensors[name]
-            if not torch.equal(loaded.view(torch.int16), ours.view(torch.int16)):
+            if not torch.equal(loaded.view(torch.int16), tensors[name].view(torch.int16)):
                 differ.append(name)
     except FormatError as exc:
         differ.append(str(exc))

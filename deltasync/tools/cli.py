@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -229,8 +231,6 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    import os
-
     try:
         from deltasync.tools import check
     except ImportError as exc:
@@ -246,8 +246,6 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import logging
-
     run_demo = import_tensor_side("deltasync.tools.demo").run_demo
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     return 1 if run_demo(args.bucket, args.steps, args.lr, args.encoding) else 0
@@ -307,10 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr", type=learning_rate, default=1e-6, help="AdamW learning rate (default 1e-6)"
     )
     p.add_argument(
-        "--encoding",
-        choices=ENCODINGS,
-        default="ans",
-        help="delta encoding (default ans)",
+        "--encoding", choices=ENCODINGS, default="ans", help="delta encoding (default ans)"
     )
     p.set_defaults(run=_demo)
     p = sub.add_parser("inspect", help="print a file's metadata (reads only its header)")

@@ -41,7 +41,6 @@ class ReferenceEngine:
     def __init__(self, log: str | Path):
         from deltasync.vllm_ext.server.compat import server_env
 
-        env = server_env() | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         self.log = Path(log)
         self._out = self.log.open("ab")
         self._proc = subprocess.Popen(
@@ -49,7 +48,7 @@ class ReferenceEngine:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._out,
-            env=env,
+            env=server_env() | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
             text=True,
         )
 

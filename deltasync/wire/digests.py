@@ -96,11 +96,8 @@ class StateDigest:
 def total(sums: Mapping[str, StateDigest] | Iterable[StateDigest]) -> StateDigest:
     """The digest of a whole state from its tensors' (or a tensor's from its parts')."""
     values = sums.values() if isinstance(sums, Mapping) else sums
-    out = [0, 0, 0, 0]
-    for digest in values:
-        for lane, v in enumerate(digest.lanes):
-            out[lane] += v
-    return StateDigest.of(out)
+    lanes = zip((0, 0, 0, 0), *(d.lanes for d in values), strict=True)  # each lane's values
+    return StateDigest.of(map(sum, lanes))
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -118,9 +115,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     """Hex xxh3-128 of a CPU tensor's raw bytes in row-major order (no copy when contiguous)."""
     import torch  # the caller holds a tensor, so torch is loaded already
 
-    flat = tensor.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = tensor.detach().reshape(-1).contiguous()  # a no-op when contiguous already
     return xxhash.xxh3_128_hexdigest(flat.view(torch.uint8).numpy())
 
 

@@ -99,9 +99,8 @@ class RunOwner:
         except (StoreError, FormatError) as exc:
             log.warning("left %d files of version %d for gc: %s", len(paths), version, exc)
             return
-        settled = (  # a new owner committed this version with its files: ours are never named
-            now is not None and now.run_id == self.run_id and now.latest_version >= version
-        )
+        # a new owner committed this version with its files: ours are never named
+        settled = now is not None and now.run_id == self.run_id and now.latest_version >= version
         if data != self._expected and not settled:
             return
         named = set() if now is None else now.referenced_paths()
@@ -145,11 +144,9 @@ class RunOwner:
         except (StoreError, FormatError) as exc:
             holder = f"unreadable: {exc}"
         else:
-            holder = (
-                "it is gone"
-                if now is None
-                else f"run {now.run_id} at version {now.latest_version}, epoch {now.epoch}"
-            )
+            holder = "it is gone"
+            if now is not None:
+                holder = f"run {now.run_id} at version {now.latest_version}, epoch {now.epoch}"
         return (
             f"version {version} of run {self.run_id} not committed: another publisher changed "
             f"the bucket's manifest ({holder}; this publisher is epoch {self.epoch}), so this "

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from deltasync.errors import FormatError
+from deltasync.wire.fields import is_int
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -27,20 +29,11 @@ MAX_TENSORS = 1_000_000
 # 46-character names, so 4 KiB leaves room for long names and every encoding.
 HEADER_BYTES_PER_TENSOR = 4096
 HEADER_BYTES_BASE = 64 * 1024
-_DTYPE_SIZES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
+_DTYPE_SIZES = {  # bytes per element
+    **dict.fromkeys(("BOOL", "U8", "I8"), 1),
+    **dict.fromkeys(("I16", "U16", "F16", "BF16"), 2),
+    **dict.fromkeys(("I32", "U32", "F32"), 4),
+    **dict.fromkeys(("I64", "U64", "F64"), 8),
 }
 
 
@@ -57,10 +50,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -101,10 +91,9 @@ def parse_header(
 ) -> SafetensorsHeader:
     """Parse and validate a header using `read(start, end)`, e.g. byte-range reads from a store.
 
-    Checks: header size bound (`header_budget(tensors)`, `tensors` being the reader's model's
-    tensor count when it knows it), JSON object, string metadata, tensor count bound, known
-    dtypes, non-negative shapes whose byte size matches the offsets, and (when `file_size` is
-    given) offsets that tile the data section exactly.
+    Its size is bounded by `header_budget(tensors)` (`tensors`: the reader's model's tensor
+    count, when it knows it); the offsets must tile the data section when `file_size` is given.
+    The other checks are bucket_layout.md's "Reader checks".
     """
     n = header_length(read(0, 8), path=path, limit=header_budget(tensors))
     if file_size is not None and 8 + n > file_size:
@@ -147,13 +136,13 @@ def _tensor_info(name: str, info: object, path: str | None) -> TensorInfo:
     if not isinstance(dtype, str) or dtype not in _DTYPE_SIZES:
         raise FormatError(f"unknown dtype {dtype!r}", path=path, tensor=name)
     if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**50 for d in shape
+        is_int(d, minimum=0, maximum=2**50 - 1) for d in shape
     ):
         raise FormatError(f"invalid shape {shape!r}", path=path, tensor=name)
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not all(is_int(o) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
         raise FormatError(f"invalid data_offsets {offsets!r}", path=path, tensor=name)

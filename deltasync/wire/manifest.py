@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from deltasync.errors import ChainError, FormatError, StoreError
 from deltasync.store import MissingFile, RefusedObject, Store, validate_path
-from deltasync.wire.digests import StateDigest, bytes_digest
+from deltasync.wire.digests import StateDigest, bytes_digest, total
 from deltasync.wire.fields import is_int, keys_exactly
 from deltasync.wire.metadata import MAX_PARTS, PROTOCOL, ParsedFile, check_protocol, validate_run_id
 
@@ -167,9 +167,7 @@ def _check_parts(entry: ChainEntry) -> None:
         raise FormatError(f"sharded manifest entry {entry.version}: path and digest must be null")
     if entry.bytes != sum(p.bytes for p in parts):
         raise FormatError(f"sharded manifest entry {entry.version}: bytes differ from its parts'")
-    combined = StateDigest.zero()
-    for part in parts:
-        combined = combined + StateDigest.parse(part.state_digest)
+    combined = total(StateDigest.parse(p.state_digest) for p in parts)
     if entry.state_digest != combined.hex():
         raise FormatError(
             f"sharded manifest entry {entry.version}: state digest {entry.state_digest} is not "
@@ -317,11 +315,7 @@ class Manifest:
         anchors = [*self.anchors, *(e for e in entries if e.kind == "anchor")]
         anchors = sorted(anchors, key=lambda a: a.version)[-max(1, keep_anchors) :]
         oldest = anchors[0].version
-        deltas = [
-            d
-            for d in (*self.deltas, *(e for e in entries if e.kind == "delta"))
-            if d.version > oldest
-        ]
+        deltas = [d for d in (*self.deltas, *entries) if d.kind == "delta" and d.version > oldest]
         model_bytes = next((e.bytes for e in entries if e.kind == "anchor"), self.model_bytes)
         return replace(
             self,
@@ -345,10 +339,8 @@ class Manifest:
 
     def version_digest(self, version: int) -> str | None:
         """The full-state digest the bucket gives `version`, when a retained entry names it."""
-        for entry in (*self.anchors, *self.deltas):
-            if entry.version == version and entry.state_digest is not None:
-                return entry.state_digest
-        return None
+        digests = (e.state_digest for e in (*self.anchors, *self.deltas) if e.version == version)
+        return next((d for d in digests if d is not None), None)
 
     def to_json(self) -> bytes:
         raw = asdict(self)
@@ -404,9 +396,8 @@ class Manifest:
             for entry in (*manifest.anchors, *manifest.deltas):
                 # Only this run's files, named by version and digest (never the manifest,
                 # a metrics record or another run's file), before anything is read.
-                count = len(entry.files)
                 for index, file in enumerate(entry.files):
-                    part = None if entry.parts is None else (index, count)
+                    part = None if entry.parts is None else (index, len(entry.files))
                     expected = file_path(
                         manifest.run_id, entry.kind, entry.version, file.digest, part
                     )
@@ -421,10 +412,8 @@ class Manifest:
 
 
 def read_manifest(store: Store) -> Manifest | None:
-    """The bucket's manifest, or None for an empty bucket.
-
-    Its size is checked before it is downloaded, so an oversized object is never held in memory.
-    """
+    """The bucket's manifest, or None for an empty bucket (its bytes read as
+    `read_manifest_bytes` does: never an oversized object held in memory)."""
     data = read_manifest_bytes(store)
     return None if data is None else Manifest.from_json(data)
 

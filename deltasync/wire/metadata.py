@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -10,7 +11,7 @@ from typing import Literal
 
 from deltasync.errors import FormatError
 from deltasync.wire.digests import ALGORITHM as STATE_DIGEST_ALGORITHM
-from deltasync.wire.digests import DIGEST_ALGORITHM, StateDigest
+from deltasync.wire.digests import DIGEST_ALGORITHM, StateDigest, total
 from deltasync.wire.fields import is_int, keys_exactly
 from deltasync.wire.header import SafetensorsHeader, parse_header, parse_header_bytes
 from deltasync.wire.source import ModelSource
@@ -47,10 +48,11 @@ _MAX_VERSION = 2**53
 MAX_PARTS = 4096  # parts of one sharded version (trainer ranks)
 
 
-def validate_run_id(run_id: str) -> str:
+def validate_run_id(run_id: str, *, path: str | None = None) -> str:
     if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise FormatError(
-            f"invalid run id {run_id!r}: use 1-64 characters of letters, digits, '.', '_', '-'"
+            f"invalid run id {run_id!r}: use 1-64 characters of letters, digits, '.', '_', '-'",
+            path=path,
         )
     return run_id
 
@@ -82,14 +84,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        return _numel(self.shape)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -105,7 +100,7 @@ class PartInfo:
     def flat_range(self, name: str, shape: tuple[int, ...]) -> tuple[int, int]:
         """The flat (row-major) element range `[lo, hi)` of `name` this part covers."""
         start, stop = self.rows[name]
-        row = _numel(shape[1:])
+        row = math.prod(shape[1:])
         return start * row, stop * row
 
 
@@ -234,10 +229,7 @@ class FileMetadata:
                 "from the version right before it",
                 path=path,
             )
-        try:
-            run_id = validate_run_id(meta.get("run_id", ""))
-        except FormatError as exc:
-            raise FormatError(str(exc), path=path) from None
+        run_id = validate_run_id(meta.get("run_id", ""), path=path)
         sharded = protocol >= 3 and "part_index" in meta
         tensors = _tensor_entries(meta, path, digests_optional=sharded)
         part = _part_info(meta, tensors, path) if sharded else None
@@ -458,29 +450,24 @@ class ParsedParts:
         if found != list(range(count)) or any(m.part.count != count for m in metas):  # type: ignore[union-attr]
             raise FormatError(f"parts {found} are not parts 0..{count - 1} in order", path=path)
         same = ("run_id", "version", "base_version", "kind", "encoding")
+        shapes = {n: e.shape for n, e in first.tensors.items()}
         for meta in metas[1:]:
             differs = [k for k in same if getattr(meta, k) != getattr(first, k)]
-            shapes = {n: e.shape for n, e in meta.tensors.items()}
-            if differs or shapes != {n: e.shape for n, e in first.tensors.items()}:
+            if differs or {n: e.shape for n, e in meta.tensors.items()} != shapes:
                 raise FormatError(
                     f"part {meta.part.index} disagrees with part 0 on "  # type: ignore[union-attr]
                     f"{differs or ['tensors']}",
                     path=path,
                 )
         try:
-            check_tiling(
-                {n: e.shape for n, e in first.tensors.items()},
-                [m.part.rows for m in metas],  # type: ignore[union-attr]
-            )
+            check_tiling(shapes, [m.part.rows for m in metas])  # type: ignore[union-attr]
         except FormatError as exc:
             raise FormatError(str(exc), path=path, tensor=exc.tensor) from None
         tensors = {
             n: TensorEntry(e.shape, None, sum(m.tensors[n].changed for m in metas))
             for n, e in first.tensors.items()
         }
-        state_digest = StateDigest.zero()
-        for meta in metas:
-            state_digest = state_digest + meta.state_digest  # type: ignore[operator]
+        state_digest = total(m.state_digest for m in metas)  # type: ignore[arg-type]
         meta = replace(first, tensors=tensors, state_digest=state_digest, part=None)
         return cls(tuple(parts), meta, path)
 

@@ -1,10 +1,8 @@
 """The metrics record of one committed version (`runs/<run>/metrics/<version>.json`).
 
-One typed record, written once per version by one writer: the publisher when it works alone
-(`PublisherConfig(write_metrics=True)`), or the trainer's weight transfer, which turns that off
-and writes the complete record (publisher fields, replica outcomes, reward) once its replicas
-are done. Readers (the dashboard, `launch.py --local`'s summary) parse it with `from_json`, which
-refuses unknown keys and wrong types. Torch-free: stdlib and `deltasync.errors` only.
+Written once per version by exactly one writer, the publisher or the trainer's weight transfer
+(which writer, and every key: bucket_layout.md, "Metrics record"); readers (the dashboard,
+`launch.py --local`'s summary) parse it with `SyncRecord.from_json`. Torch-free.
 """
 
 from __future__ import annotations
@@ -23,28 +21,6 @@ MAX_RECORD_BYTES = 1024 * 1024
 MAX_REPLICAS = 1024
 MAX_ERROR_CHARS = 2000
 KINDS = ("anchor", "delta", "delta+anchor")
-
-# Publisher fields: always present. Trainer fields: absent or null when the publisher wrote alone.
-_PUBLISHER_KEYS = (
-    "run_id",
-    "version",
-    "kind",
-    "encoding",
-    "delta_path",
-    "anchor_path",
-    "delta_bytes",
-    "anchor_bytes",
-    "full_bytes",
-    "changed_elements",
-    "total_elements",
-    "sparsity",
-    "diff_s",
-    "encode_s",
-    "upload_s",
-    "queued_s",
-    "committed_at",
-)
-_TRAINER_KEYS = ("replicas", "sync_s", "step", "reward_mean")
 
 
 @dataclass(frozen=True)
@@ -89,15 +65,9 @@ class ReplicaOutcome:
 class SyncRecord:
     """One committed version: what the publisher did, and (optionally) what the trainer saw.
 
-    Publisher fields: `kind` is `anchor`, `delta` or `delta+anchor`; `*_path` name the files
-    (null when not written); `full_bytes` is the model's bf16 size; `sparsity` is the unchanged
-    share of elements; `diff_s` / `encode_s` / `upload_s` / `queued_s` are seconds;
-    `committed_at` is the manifest's `updated_at` (Unix time).
-
-    Trainer fields (empty / null when the publisher wrote the record alone): `replicas`, one
-    outcome per rollout replica; `sync_s`, from `send_weights` to the last replica done; `step`,
-    the optimizer step whose weights this version holds (0: before the first step); and
-    `reward_mean`, the mean reward TRL logged at that step (null when it logged none).
+    Every key's type, unit and meaning: bucket_layout.md, "Metrics record". Publisher fields
+    are always set; the trainer fields (`replicas`, `sync_s`, `step`, `reward_mean`) are empty or
+    null when the publisher wrote the record alone.
     """
 
     run_id: str
@@ -194,9 +164,8 @@ class SyncRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object: every key always present; `replicas` as `{name: outcome}`."""
-        out = {key: getattr(self, key) for key in _PUBLISHER_KEYS}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["replicas"] = {r.name: r.to_dict() for r in self.replicas}
-        out |= {key: getattr(self, key) for key in ("sync_s", "step", "reward_mean")}
         return out
 
     def to_json(self) -> bytes:
@@ -240,10 +209,8 @@ class SyncRecord:
             f"Delta: {self.changed_elements}/{self.total_elements} elements changed "
             f"(sparsity={100 * self.sparsity:.2f}%)"
         ]
-        for path, size in (
-            (self.delta_path, self.delta_bytes),
-            (self.anchor_path, self.anchor_bytes),
-        ):
+        files = ((self.delta_path, self.delta_bytes), (self.anchor_path, self.anchor_bytes))
+        for path, size in files:
             if path:
                 shown = f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.1f} KB"
                 lines.append(
@@ -252,6 +219,10 @@ class SyncRecord:
                     f"encode {self.encode_s:.2f}s, upload {self.upload_s:.2f}s)"
                 )
         return lines
+
+
+_TRAINER_KEYS = ("replicas", "sync_s", "step", "reward_mean")
+_PUBLISHER_KEYS = tuple(f.name for f in fields(SyncRecord) if f.name not in _TRAINER_KEYS)
 
 
 def _parse_replicas(raw: Any) -> tuple[ReplicaOutcome, ...]:

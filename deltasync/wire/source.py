@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -50,10 +50,7 @@ class ModelSource:
             raise FormatError(f"unknown model source kind {self.kind!r} (hub or folder)")
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"kind": self.kind, "location": self.location, "revision": self.revision},
-            separators=(",", ":"),
-        )
+        return json.dumps(asdict(self), separators=(",", ":"))  # kind, location, revision
 
     @classmethod
     def from_json(cls, text: str | None) -> ModelSource:
@@ -107,5 +104,4 @@ def resolve_source(model: str) -> ModelSource | None:
         folder = Path(snapshot_download(model, allow_patterns=["*.safetensors"]))
     except Exception:  # offline without a cached copy, gated, not a model repo
         return None
-    revision = folder.name if _SHA.fullmatch(folder.name) else None
-    return None if revision is None else ModelSource("hub", model, revision)
+    return ModelSource("hub", model, folder.name) if _SHA.fullmatch(folder.name) else None

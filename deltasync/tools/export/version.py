@@ -40,20 +40,17 @@ def export(
     progress: Callable | None = None,
 ) -> list[str]:
     """Export one committed version to the folder `out` or the Hub repository `to`; returns
-        what was done, as lines to print. Raises `DeltaSyncError` (nothing written) on any problem
+    what was done, as lines to print. Raises `DeltaSyncError` (nothing written) on any problem
     with the bucket, the model or the destination, `MissingExtra` without transformers.
 
-        `progress` wraps the chain's files while they are replayed (e.g. `tqdm`).
+    `progress` wraps the chain's files while they are replayed (e.g. `tqdm`).
     """
     if (out is None) == (to is None):
         raise ExportError("give exactly one destination: a folder (out) or a Hub repository (to)")
     destination = _empty_folder(out) if out is not None else None
     hub = None
     if to is not None:
-        from deltasync.tools.export.hub import (  # only a Hub export needs the client
-            Hub,
-            validate_target,
-        )
+        from deltasync.tools.export.hub import Hub, validate_target  # only a Hub export needs it
 
         hub = Hub.logged_in(validate_target(to))
     manifest = read_manifest(store)
