@@ -19,7 +19,13 @@ from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Box
 from deltasync.store import Store
 from deltasync.wire.header import parse_header
-from deltasync.wire.manifest import ChainEntry, FileData, PartRef, fetch_entry
+from deltasync.wire.manifest import (
+    ChainEntry,
+    FileData,
+    PartRef,
+    check_declared_size,
+    fetch_entry,
+)
 from deltasync.wire.metadata import FileMetadata
 
 __all__ = ["fetch_boxes"]
@@ -29,13 +35,20 @@ BoxesOf = Callable[[dict[str, tuple[int, ...]]], Mapping[str, Box]]
 
 
 def fetch_boxes(
-    store: Store, entry: ChainEntry, boxes_of: BoxesOf, *, tensors: int | None = None
+    store: Store,
+    entry: ChainEntry,
+    boxes_of: BoxesOf,
+    *,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> FileData:
     """`manifest.fetch_entry` for a reader holding the boxes `boxes_of(shapes)`: an anchor's
     files by byte range (see the module docstring), a delta's whole (deltas are small).
-    `tensors` (the reader's model's tensor count, when known) bounds each header."""
+    `shapes` (the reader's whole model, when known) bounds each declared size and header."""
     if entry.kind != "anchor":
-        return fetch_entry(store, entry, tensors=tensors)
+        return fetch_entry(store, entry, shapes=shapes)
+    for file in entry.files:
+        check_declared_size(entry, file, shapes)
+    tensors = len(shapes) if shapes else None
     found = tuple(_fetch_file(store, file, boxes_of, tensors) for file in entry.files)
     return found[0] if entry.parts is None else found
 

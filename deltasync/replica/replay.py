@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from deltasync.store import Store
 from deltasync.wire.manifest import ChainEntry, FileData, fetch_entry
 
-__all__ = ["Fetch", "Reader", "fetch_all", "replay"]
+__all__ = ["Fetch", "Reader", "bounded_by", "fetch_all", "replay"]
 
 Fetch = Callable[[Store, ChainEntry], FileData]
 
@@ -24,6 +24,14 @@ class Reader(Protocol):
     """What a replay feeds: `Replica`, or a trainer rank's rows (`publisher.shards`)."""
 
     def update(self, data: FileData, *, path: str | None = None) -> Any: ...
+
+
+def bounded_by(reader: Any) -> Fetch:
+    """`fetch_entry` bounded by the model the reader holds when each file is fetched (a
+    `Replica`'s sink; nothing before its first anchor), so a manifest declaring more bytes
+    than that model can take is refused before the read."""
+    sink = getattr(reader, "sink", None)
+    return lambda store, entry: fetch_entry(store, entry, shapes=sink and sink.shapes())
 
 
 def fetch_all(
@@ -39,15 +47,17 @@ def replay(
     reader: Reader,
     *,
     streaming: bool = True,
-    fetch: Fetch = fetch_entry,
+    fetch: Fetch | None = None,
     after: Callable[[ChainEntry], None] | None = None,
 ) -> list[int]:
     """Apply the files of `plan` to `reader` in order; returns the versions applied.
 
     `streaming=False` needs a reader with `stage` and `commit` (a `Replica`): nothing
-    changes unless every file applies. `after` runs after each file in streaming mode (e.g.
-    `verify`'s check of a retained anchor against the replay).
+    changes unless every file applies. `fetch` defaults to `bounded_by(reader)`. `after` runs
+    after each file in streaming mode (e.g. `verify`'s check of a retained anchor against the
+    replay).
     """
+    fetch = fetch or bounded_by(reader)
     if not streaming:
         return reader.commit(reader.stage(fetch_all(store, plan, fetch)))  # type: ignore[attr-defined]
     applied = []

@@ -12,7 +12,6 @@ modules swapped in).
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,7 @@ from deltasync.kernels.state_hash import apply_changes, state_sums
 from deltasync.replica.replay import replay
 from deltasync.store import Store
 from deltasync.wire.digests import StateDigest, tensor_digest, total
-from deltasync.wire.manifest import FileData, fetch_entry, read_manifest
+from deltasync.wire.manifest import FileData, read_manifest
 
 __all__ = ["DictSink", "Replica", "Sink", "StagedFile", "StagedUpdate"]
 
@@ -477,10 +476,9 @@ class Replica:
         manifest = read_manifest(store)
         if manifest is None:
             return []
-        held, known = self.state_digest, len(self.sink.shapes()) or None
+        held = self.state_digest
         plan = manifest.plan(self.run_id, self.version, target, digest=held and held.hex())
-        fetch = functools.partial(fetch_entry, tensors=known)
-        return replay(store, plan, self, streaming=False, fetch=fetch)
+        return replay(store, plan, self, streaming=False)
 
     def digests(self) -> dict[str, str]:
         return {name: tensor_digest(t) for name, t in self.sink.tensors().items()}

@@ -192,9 +192,11 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 raise FormatError(f"the manifest has no file {path!r} for version {target}")
         held = state.state_digest
         entries = manifest.plan(*base, target, digest=held and held.hex())
-        fetch = fetch_entry
+        # the (whole) shapes held bound the sizes the manifest may declare, before any read
+        shapes = state.sink.shapes()
+        fetch = functools.partial(fetch_entry, shapes=shapes)
         if self.tp_size > 1:  # anchors: only the bytes of this worker's boxes
-            fetch = functools.partial(fetch_boxes, boxes_of=state.sink.boxes)
+            fetch = functools.partial(fetch_boxes, boxes_of=state.sink.boxes, shapes=shapes)
         update = state.stage(fetch_all(store, entries, fetch))
         size = sum(e.bytes for e in entries)
         return _Staged(base, target, entries, size, update, time.perf_counter() - started)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
@@ -12,6 +14,7 @@ from deltasync.errors import ChainError, FormatError, StoreError
 from deltasync.store import MissingFile, RefusedObject, Store, validate_path
 from deltasync.wire.digests import StateDigest, bytes_digest, total
 from deltasync.wire.fields import is_int, keys_exactly
+from deltasync.wire.header import header_budget
 from deltasync.wire.metadata import MAX_PARTS, PROTOCOL, ParsedFile, check_protocol, validate_run_id
 
 __all__ = [
@@ -20,9 +23,11 @@ __all__ = [
     "FileData",
     "Manifest",
     "PartRef",
+    "check_declared_size",
     "fetch_entry",
     "fetch_file",
     "file_path",
+    "largest_file",
     "metrics_path",
     "read_manifest",
     "read_manifest_bytes",
@@ -406,9 +411,25 @@ class Manifest:
                             f"manifest entry path {file.path!r} is not this run's {entry.kind} "
                             f"file for version {entry.version} ({expected!r})"
                         )
+            _check_one_state_per_version(manifest)
             return manifest
         except (FormatError, TypeError, OverflowError) as exc:  # float(10**400): OverflowError
             raise FormatError(f"invalid manifest: {exc}", path=path) from None
+
+
+def _check_one_state_per_version(manifest: Manifest) -> None:
+    """An anchor and a delta of one version lead to one state: they promise one digest
+    (protocol 1 entries carry none)."""
+    promised: dict[int, str] = {}
+    for entry in (*manifest.anchors, *manifest.deltas):
+        if entry.state_digest is None:
+            continue
+        first = promised.setdefault(entry.version, entry.state_digest)
+        if first != entry.state_digest:
+            raise FormatError(
+                f"version {entry.version}: its anchor and delta promise different full-state "
+                f"digests ({first} and {entry.state_digest})"
+            )
 
 
 def read_manifest(store: Store) -> Manifest | None:
@@ -434,17 +455,45 @@ def read_manifest_bytes(store: Store) -> bytes | None:
         return None
 
 
-def fetch_entry(store: Store, entry: ChainEntry, *, tensors: int | None = None) -> FileData:
+def largest_file(kind: str, shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The most bytes one file of `kind` can hold for a model of `shapes`: an anchor stores each
+    element once in bf16 (2 B); a delta at most every element changed, at `coo`'s 6 B each
+    (int32 index and bf16 value; `packed` and `ans` take less); plus the largest header."""
+    elements = sum(math.prod(shape) for shape in shapes.values())
+    return (2 if kind == "anchor" else 6) * elements + 8 + header_budget(len(shapes))
+
+
+def check_declared_size(
+    entry: ChainEntry, file: PartRef, shapes: Mapping[str, tuple[int, ...]] | None
+) -> None:
+    """Refuse, before any read, a file declared larger than `entry`'s kind can be for the
+    reader's model (`shapes`; None: a reader that does not know its model yet)."""
+    if shapes and file.bytes > (limit := largest_file(entry.kind, shapes)):
+        raise FormatError(
+            f"the manifest declares {file.bytes} bytes, more than a {entry.kind} of this model "
+            f"can hold ({limit}); not downloaded",
+            path=file.path,
+        )
+
+
+def fetch_entry(
+    store: Store, entry: ChainEntry, *, shapes: Mapping[str, tuple[int, ...]] | None = None
+) -> FileData:
     """Download a manifest entry (every part of a sharded version, in order) and check each
     file's size and whole-file digest before parsing, then that its header promises the
-    entry's full-state digest (a part: its share). `tensors`: the reader's model's tensor
-    count, when it knows it, bounds each header before its JSON is parsed."""
+    entry's full-state digest (a part: its share). `shapes`: the reader's model, when it knows
+    it; it bounds each file's declared size before the read and each header before its JSON
+    is parsed."""
+    for file in entry.files:  # every part before the first byte of any
+        check_declared_size(entry, file, shapes)
+    tensors = len(shapes) if shapes else None
     found = tuple(fetch_file(store, file, tensors=tensors) for file in entry.files)
     return found[0] if entry.parts is None else found
 
 
 def fetch_file(store: Store, file: PartRef, *, tensors: int | None = None) -> bytes:
-    """One stored file of a version (a whole file or one part), checked as `fetch_entry` does."""
+    """One stored file of a version (a whole file or one part), checked as `fetch_entry` does
+    (the declared size is the caller's to bound: `check_declared_size`)."""
     try:  # never reads past the declared size (+1)
         data = store.get(file.path, limit=file.bytes)
     except RefusedObject as exc:

@@ -201,3 +201,46 @@ def test_oversized_manifest_is_refused_before_download(tmp_path, record_property
         read_manifest(store)
     assert replica.version is None and peak[0] < SMALL
     record_property("peak_bytes", peak[0])
+
+
+class ReadCountingStore(LocalStore):
+    """Counts the bytes each object's whole-file reads asked for."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.asked: dict[str, int | None] = {}
+
+    def get(self, path: str, *, limit: int | None = None) -> bytes:
+        self.asked[path] = limit
+        return super().get(path, limit=limit)
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["sync", "replay"])
+def test_a_declared_size_past_the_model_is_refused_before_the_read(tmp_path, streaming) -> None:
+    """A bucket writer declares 256 MiB for a delta of a model of a few KB (a sparse file of
+    that size): a reader that holds the model refuses it from the manifest, reading nothing.
+    `sync` is a replica catching up; `replay` the CLI's path (verify, replay, export)."""
+    from wire_samples import publish_chain
+
+    from deltasync.replica.replay import replay
+    from deltasync.wire.policy import AnchorPolicy
+
+    chain = build_chain(3)
+    store = ReadCountingStore(tmp_path)
+    policy = AnchorPolicy(interval=10, max_delta_fraction=None, keep_anchors=2)
+    publish_chain(store, chain, policy=policy)
+    raw = json.loads(store.get(MANIFEST_PATH))
+    hostile = raw["deltas"][-1]
+    hostile["bytes"] = 256 * MIB
+    with open(tmp_path / hostile["path"], "r+b") as f:
+        f.truncate(256 * MIB)
+    store.publish(MANIFEST_PATH, json.dumps(raw).encode())
+    replica = replica_at(chain, 2) if not streaming else Replica()
+    store.asked.clear()
+    with pytest.raises(FormatError, match="more than a delta of this model can hold"):
+        if streaming:
+            replay(store, read_manifest(store).plan(None, None, 3), replica)
+        else:
+            replica.sync(store)
+    assert hostile["path"] not in store.asked
+    assert replica.version == 2  # nothing of version 3 applied

@@ -176,3 +176,21 @@ def test_unreachable_targets():
         m.plan("r", 13, 12)
     with pytest.raises(ChainError, match="no longer holds"):
         m.plan(None, None, 4)
+
+
+@pytest.mark.parametrize("delta_digest", ["00000001" * 4, "00000002" * 4, None])
+def test_an_anchor_and_a_delta_of_one_version_promise_one_state(delta_digest):
+    """Version 4 has an anchor and a delta: their full-state digests must agree (a reader
+    replaying through the delta would otherwise fail late); an entry without one (protocol 1)
+    is excepted."""
+    raw = json.loads(_chain(6, anchors=(1, 4)).to_json())
+    for entry in (*raw["anchors"], *raw["deltas"]):
+        entry["state_digest"] = "00000001" * 4 if entry["version"] == 4 else None
+    (delta,) = [d for d in raw["deltas"] if d["version"] == 4]
+    delta["state_digest"] = delta_digest
+    data = json.dumps(raw).encode()
+    if delta_digest == "00000002" * 4:
+        with pytest.raises(FormatError, match="version 4: its anchor and delta promise different"):
+            Manifest.from_json(data)
+    else:
+        assert Manifest.from_json(data).version_digest(4) == "00000001" * 4
