@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 __all__ = [
     "bucket_url",
     "count",
+    "existing_folder",
     "folder",
     "fraction",
     "http_url",
@@ -106,6 +107,13 @@ def _creatable(path: Path, text: str) -> None:
 def folder(text: str) -> str:
     """A folder to use, created when missing (work folders, caches)."""
     _creatable(Path(text).expanduser(), text)
+    return text
+
+
+def existing_folder(text: str) -> str:
+    """A folder that must exist already (one to read from)."""
+    if not Path(text).expanduser().is_dir():
+        raise argparse.ArgumentTypeError(f"no folder {text}")
     return text
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+from pathlib import Path
 
 import safetensors.torch
 import torch
@@ -59,3 +63,20 @@ def trl_v1_write(path, version: int, base: dict, new: dict) -> None:
         "changed_params": json.dumps(changed),
     }
     safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+
+
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def as_hub_cache(folder: Path, cache: Path, repo: str) -> Path:
+    """`folder`'s files laid out as the Hub cache does (`models--org--name/blobs/<sha256>` and a
+    snapshot folder of relative links into it); returns the snapshot folder."""
+    repo_dir = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / HUB_COMMIT
+    (repo_dir / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for file in sorted(p for p in folder.iterdir() if p.is_file()):
+        blob = repo_dir / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot

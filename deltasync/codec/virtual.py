@@ -1,12 +1,16 @@
 """Reading a virtual anchor's tensors from the checkpoint its source names.
 
 Only `*.safetensors` files are read, one tensor (or one slice of it) at a time, and every
-name and shape is checked against what the reader expects.
+name and shape is checked against what the reader expects. A bucket writer chooses the source,
+so a replica reads one only where its `SourcePolicy` allows: its own model's folder or Hub repo.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import math
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,11 +18,101 @@ from safetensors import safe_open
 
 from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Box
-from deltasync.wire.source import ModelSource
+from deltasync.wire.source import SOURCE_ROOTS_ENV, ModelSource
 
-__all__ = ["source_differences", "source_tensors", "tensor_files"]
+__all__ = [
+    "SourcePolicy",
+    "source_differences",
+    "source_tensors",
+    "tensor_files",
+]
 
 _MAX_FILES = 4096
+# The same message whatever the path: a refusal never tells what exists outside the roots.
+_OUTSIDE = (
+    "the virtual anchor's source is outside the folders this replica may read (its --model "
+    "folder, the Hub cache of its repo, --source-root)"
+)
+
+
+@dataclass(frozen=True)
+class SourcePolicy:
+    """Where a replica may load a virtual anchor from.
+
+    A folder source must resolve, symlinks followed, under one of `roots`, and so must each of
+    its safetensors files; a hub source must name one of `repos`, and its download is refused
+    beforehand when larger than a checkpoint of the anchor's shapes can be (4 B an element).
+    """
+
+    roots: tuple[Path, ...] = ()
+    repos: frozenset[str] = frozenset()
+
+    @classmethod
+    def for_model(cls, model: str, more: Iterable[str | Path] = ()) -> SourcePolicy:
+        """What a replica serving `model` (its `--model`: a folder or a Hub id) may read: that
+        folder (inside the Hub cache: its repo's cache, whose blobs its files link to), or that
+        repo's cache, and the `more` folders."""
+        from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
+
+        folder = Path(model)
+        if folder.is_dir():
+            found, repos = folder.resolve(), frozenset()
+            inside_cache = found.parent.name == "snapshots"
+            roots = [found.parents[1] if inside_cache else found]
+        else:
+            cache = Path(constants.HF_HUB_CACHE) / repo_folder_name(
+                repo_id=model, repo_type="model"
+            )
+            roots, repos = [cache.resolve()], frozenset({model})
+        return cls((*roots, *(Path(p).resolve() for p in more)), repos)
+
+    @classmethod
+    def from_environ(cls, model: str) -> SourcePolicy:
+        """`for_model` with the extra roots `serve --source-root` passed down."""
+        more = os.environ.get(SOURCE_ROOTS_ENV, "")
+        return cls.for_model(model, [p for p in more.split(os.pathsep) if p])
+
+    def check(self, source: ModelSource, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Raise `FormatError` unless `source` may be read; downloads a hub source (bounded)."""
+        if source.kind == "hub":
+            if source.location not in self.repos:
+                raise FormatError(
+                    f"the virtual anchor's source {source.location} is not the repo this "
+                    f"replica serves ({', '.join(sorted(self.repos)) or 'a local folder'})"
+                )
+            _check_download_size(source, 4 * sum(math.prod(s) for s in shapes.values()))
+        elif not self._allowed(Path(source.location)):
+            raise FormatError(_OUTSIDE)
+        folder = source.folder
+        if not all(self._allowed(p) for p in folder.glob("*.safetensors")):
+            raise FormatError(_OUTSIDE)
+
+    def _allowed(self, path: Path) -> bool:
+        resolved = path.resolve()
+        return any(resolved.is_relative_to(root) for root in self.roots)
+
+
+def _check_download_size(source: ModelSource, limit: int) -> None:
+    """Refuse a hub source whose safetensors files to download add up past `limit` (what the
+    Hub lists for the commit; when it cannot be asked, the download itself decides)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        listed = snapshot_download(
+            source.location,
+            revision=source.revision,
+            allow_patterns=["*.safetensors"],
+            dry_run=True,
+        )
+    except Exception:  # offline (a cached commit still loads), gated, unknown repo or commit
+        return
+    size = sum(f.file_size or 0 for f in listed if f.will_download)
+    if size > limit + 64 * 2**20:  # headers and padding
+        raise FormatError(
+            f"the model source {source} would download {size} bytes, more than a checkpoint "
+            f"of this model can hold ({limit})"
+        )
 
 
 def tensor_files(source: ModelSource) -> dict[str, Path]:

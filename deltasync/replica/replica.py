@@ -22,6 +22,7 @@ import torch
 
 from deltasync import defaults
 from deltasync.codec import DecodedFile, FileMetadata, ParsedFile, ParsedParts, decode
+from deltasync.codec.virtual import SourcePolicy
 from deltasync.errors import ChainError, DigestMismatch, FormatError
 from deltasync.kernels.boxes import Boxes, box_change_sums, box_sums
 from deltasync.kernels.changes import WORKERS, scatter
@@ -254,6 +255,8 @@ class Replica:
         recompute_every: recompute the full-state digest over the held state (while serving)
             before the first delta applied this many versions after the last full pass; 0: only
             at anchors.
+        sources: where a virtual anchor's checkpoint may be read from (a served replica: its
+            own model's, `SourcePolicy.for_model`); None: anywhere (the CLI, tests).
     """
 
     def __init__(
@@ -263,6 +266,7 @@ class Replica:
         allow_legacy: bool = False,
         verify: bool = True,
         recompute_every: int = defaults.RECOMPUTE_EVERY,
+        sources: SourcePolicy | None = None,
     ):
         if recompute_every < 0:
             raise ValueError(f"recompute_every must be >= 0, got {recompute_every}")
@@ -270,6 +274,7 @@ class Replica:
         self.allow_legacy = allow_legacy
         self.verify = verify
         self.recompute_every = recompute_every
+        self.sources = sources
         self.run_id: str | None = None
         self.version: int | None = None
         self._sums: Mapping[str, StateDigest] | None = None
@@ -375,6 +380,8 @@ class Replica:
                 "file does not carry (protocol 1); serve it with tensor parallel size 1",
                 path=path,
             )
+        if meta.source is not None and self.sources is not None:  # a bucket writer's choice
+            self.sources.check(meta.source, {n: e.shape for n, e in meta.tensors.items()})
         state = _StateAfter(self.sink.tensors(), staged)
         decoded = decode(parsed, base=state, boxes=boxes)
         # A delta with a full-state digest is verified by it in O(changed); whole-tensor hashes

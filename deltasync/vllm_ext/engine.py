@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from deltasync.codec.virtual import SourcePolicy
 from deltasync.errors import DeltaSyncError, DigestMismatch, FormatError
 from deltasync.kernels.boxes import Boxes, check_cover
 from deltasync.replica.ranged import fetch_boxes
@@ -128,6 +129,8 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 allow_legacy=init_info.allow_legacy,
                 verify=init_info.verify,
                 recompute_every=init_info.recompute_every,
+                # virtual anchors only from this replica's own model (and --source-root)
+                sources=SourcePolicy.from_environ(self.vllm_config.model_config.model),
             )
         if isinstance(self.state.sink, ShadowSink):
             self.state.sink.prepack = init_info.prepack

@@ -28,9 +28,17 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from deltasync import defaults
-from deltasync.arguments import bucket_url, is_loopback, model_ref, port, positive
+from deltasync.arguments import (
+    bucket_url,
+    existing_folder,
+    is_loopback,
+    model_ref,
+    port,
+    positive,
+)
 from deltasync.errors import DeltaSyncError
 from deltasync.store import open_store
 from deltasync.vllm_ext import AUTH_MIDDLEWARE, BACKEND, LOOPBACK_MIDDLEWARE, WORKER_EXTENSION
@@ -45,6 +53,7 @@ from deltasync.vllm_ext.server.auth import (
 )
 from deltasync.vllm_ext.server.compat import is_vllm_cpu, server_env
 from deltasync.wire.manifest import read_manifest
+from deltasync.wire.source import SOURCE_ROOTS_ENV
 
 __all__ = ["main", "server_command"]
 
@@ -118,6 +127,15 @@ def _parser() -> argparse.ArgumentParser:
         help="benchmarks: let loopback clients reach vLLM's dev routes (/pause, /collective_rpc "
         "with any method, ...), which can stall the server or change its weights outside the "
         "sync route (loopback hosts only)",
+    )
+    p.add_argument(
+        "--source-root",
+        action="append",
+        type=existing_folder,
+        default=[],
+        metavar="DIR",
+        help="another folder a virtual anchor's checkpoint may be read from (repeatable; "
+        "default: only --model's folder, or the Hub cache of its repo)",
     )
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then arguments for vLLM")
     return p
@@ -299,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         FOLLOW_ENV: "1" if args.follow else "0",
         FOLLOW_INTERVAL_ENV: repr(args.follow_interval),
     }
+    env[SOURCE_ROOTS_ENV] = os.pathsep.join(str(Path(p).resolve()) for p in args.source_root)
     env.pop(DEV_ROUTES_ENV, None)  # only this launcher's flag turns them on
     if args.dev_routes:
         env[DEV_ROUTES_ENV] = "1"
