@@ -58,8 +58,9 @@ class SourcePolicy:
         folder = Path(model)
         if folder.is_dir():
             found, repos = folder.resolve(), frozenset()
-            inside_cache = found.parent.name == "snapshots"
-            roots = [found.parents[1] if inside_cache else found]
+            repo_dir = found.parents[1] if len(found.parents) > 1 else found
+            in_cache = found.parent.name == "snapshots" and repo_dir.name.startswith("models--")
+            roots = [repo_dir if in_cache else found]
         else:
             cache = Path(constants.HF_HUB_CACHE) / repo_folder_name(
                 repo_id=model, repo_type="model"

@@ -27,7 +27,6 @@ __all__ = [
     "fetch_entry",
     "fetch_file",
     "file_path",
-    "largest_file",
     "metrics_path",
     "read_manifest",
     "read_manifest_bytes",
@@ -455,7 +454,7 @@ def read_manifest_bytes(store: Store) -> bytes | None:
         return None
 
 
-def largest_file(kind: str, shapes: Mapping[str, tuple[int, ...]]) -> int:
+def _largest_file(kind: str, shapes: Mapping[str, tuple[int, ...]]) -> int:
     """The most bytes one file of `kind` can hold for a model of `shapes`: an anchor stores each
     element once in bf16 (2 B); a delta at most every element changed, at `coo`'s 6 B each
     (int32 index and bf16 value; `packed` and `ans` take less); plus the largest header."""
@@ -468,7 +467,7 @@ def check_declared_size(
 ) -> None:
     """Refuse, before any read, a file declared larger than `entry`'s kind can be for the
     reader's model (`shapes`; None: a reader that does not know its model yet)."""
-    if shapes and file.bytes > (limit := largest_file(entry.kind, shapes)):
+    if shapes and file.bytes > (limit := _largest_file(entry.kind, shapes)):
         raise FormatError(
             f"the manifest declares {file.bytes} bytes, more than a {entry.kind} of this model "
             f"can hold ({limit}); not downloaded",

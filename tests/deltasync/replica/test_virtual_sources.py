@@ -123,3 +123,14 @@ def test_a_hub_source_larger_than_the_model_is_refused_before_the_download(monke
     with pytest.raises(FormatError, match="would download 10737418240 bytes"):
         policy.check(ModelSource("hub", "org/model", SHA), {"w": (4, 4)})
     assert calls == [True]
+
+
+def test_only_a_hub_cache_snapshot_widens_the_root_to_its_repo(tmp_path):
+    """A folder merely named `snapshots/x` is its own root; a Hub cache snapshot's root is its
+    `models--org--name` folder, where the blobs its files link to live."""
+    plain = tmp_path / "data" / "snapshots" / "mine"
+    cached = tmp_path / "hub" / "models--org--model" / "snapshots" / HUB_COMMIT
+    plain.mkdir(parents=True)
+    cached.mkdir(parents=True)
+    assert SourcePolicy.for_model(str(plain)).roots == (plain.resolve(),)
+    assert SourcePolicy.for_model(str(cached)).roots == (cached.parents[1].resolve(),)
