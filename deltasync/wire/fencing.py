@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from deltasync.errors import Fenced, FormatError, PublishError, StoreError
 from deltasync.store import Conflict, Store
-from deltasync.wire.garbage import remove_unreferenced
+from deltasync.wire.garbage import find_unreferenced, remove_paths
 from deltasync.wire.manifest import MANIFEST_PATH, Manifest, read_manifest, read_manifest_bytes
 
 __all__ = ["RunOwner"]
@@ -122,7 +122,12 @@ class RunOwner:
 
     def _take_over(self, manifest: Manifest) -> None:
         """Commit the bucket's manifest again under our epoch (fencing any older publisher),
-        then remove files of versions its publishers never committed."""
+        then remove files of versions its publishers never committed.
+
+        The files are listed before the swap: whatever is uploaded after it belongs to a newer
+        owner, which may commit it before this removal runs. They are removed only while the
+        manifest is still ours; else they are left for `gc`."""
+        doomed = find_unreferenced(self.store, manifest, run_id=manifest.run_id, in_flight=True)
         taken = manifest.committed_after(self._expected, self.epoch)
         data = taken.to_json()
         try:
@@ -133,8 +138,15 @@ class RunOwner:
                 "took it over (another publisher committed); try --takeover again"
             ) from None
         self._expected = data
-        removed = remove_unreferenced(self.store, taken, run_id=manifest.run_id)
-        if removed:
+        if not doomed:
+            return
+        try:
+            still_ours = read_manifest_bytes(self.store) == data
+        except StoreError as exc:
+            log.warning("left %d files of uncommitted attempts for gc: %s", len(doomed), exc)
+            return
+        if still_ours:
+            removed = remove_paths(self.store, doomed)
             log.info("removed %d files of uncommitted attempts: %s", len(removed), removed[:3])
 
     def _fenced_message(self, version: int) -> str:

@@ -12,7 +12,7 @@ import re
 from deltasync.store import Store
 from deltasync.wire.manifest import Manifest
 
-__all__ = ["find_unreferenced", "remove_unreferenced"]
+__all__ = ["find_unreferenced", "remove_paths"]
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,10 @@ def find_unreferenced(
     return found
 
 
-def remove_unreferenced(store: Store, manifest: Manifest, *, run_id: str) -> list[str]:
-    """Delete `run_id`'s chain files that `manifest` does not name, in-flight uploads included
-    (the caller has just fenced their publisher); returns what was deleted."""
+def remove_paths(store: Store, paths: list[str]) -> list[str]:
+    """Delete `paths`, best effort (what fails is left for `gc`); returns what was deleted."""
     removed = []
-    for path in find_unreferenced(store, manifest, run_id=run_id, in_flight=True):
+    for path in paths:
         try:
             store.delete(path)
         except Exception as exc:  # best effort: `gc` finds it again

@@ -7,6 +7,7 @@ import itertools
 import multiprocessing
 import queue
 import time
+from collections.abc import Callable
 
 import pytest
 from racing import POLICY, race
@@ -133,6 +134,36 @@ def test_a_file_vanishing_during_the_takeover_replay_is_a_one_line_refusal(tmp_p
     after = read_manifest(store)  # taken over (next epoch), no version added
     assert (after.latest_version, after.epoch) == (3, manifest.epoch + 1)
     taker.close()
+
+
+class _ThenAfterSwap(LocalStore):
+    """A folder that runs `then` once, right after its next manifest swap succeeds."""
+
+    then: Callable[[], None] | None = None
+
+    def swap(self, path: str, data: bytes, *, expected: bytes | None) -> None:
+        super().swap(path, data, expected=expected)
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+
+
+def test_a_takeover_never_removes_what_a_newer_owner_committed(tmp_path):
+    """Takeover A swaps the manifest in; before its clean-up runs, takeover B fences A and
+    commits the next version: A's clean-up leaves B's file alone, while B, the owner now, removes
+    the older attempt's upload (the 100-round race below found B's file deleted)."""
+    _publish(LocalStore(tmp_path), [CHAIN.states[1], CHAIN.states[2]]).close()
+    older_attempt = tmp_path / "runs" / RUN / "deltas" / "00000003-0123456789ab.safetensors"
+    older_attempt.write_bytes(b"an upload its publisher never committed")
+    store = _ThenAfterSwap(tmp_path)
+    store.then = lambda: _publish(LocalStore(tmp_path), [CHAIN.states[3]], takeover=True).close()
+    Publisher(store, _config(takeover=True)).claim()
+    replica = Replica()
+    assert replica.sync(LocalStore(tmp_path)) == [1, 2, 3]
+    assert bitwise_equal(replica.tensors, CHAIN.states[3])
+    manifest = read_manifest(LocalStore(tmp_path))
+    assert manifest.epoch == 3
+    assert not older_attempt.exists() and find_unreferenced(LocalStore(tmp_path), manifest) == []
 
 
 def test_two_publisher_processes_race_for_100_rounds(tmp_path):
