@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 from urllib.parse import urlsplit
 
 import torch
@@ -336,6 +337,7 @@ def _train(args: argparse.Namespace) -> int:
         verify_digests=args.verify_replicas,
         rewards=rewards,
         followers={n: c for n, c in clients.items() if n in following},
+        stopped=lambda: proxy.stop_reason is not None,
     )
     task = _task(args, tokenizer, env)
     trainer_class = sharded_trainer_class() if sharded else AsyncGRPOTrainer
@@ -372,7 +374,7 @@ def _train(args: argparse.Namespace) -> int:
             if proxy.stop_reason is None:
                 raise
     if proxy.stop_reason is not None:  # a replica died or refused rollouts for good
-        raise SystemExit(f"error: {proxy.stop_reason}")
+        _exit_now(f"error: {proxy.stop_reason}")
     if sharded and not trainer.accelerator.is_main_process:
         publisher.close(timeout=600)  # rank 0's transfer closes its own
     lagging = sorted(transfer.state.lagging)
@@ -388,6 +390,15 @@ def _train(args: argparse.Namespace) -> int:
             console.warning("warning: %s", warning)
         report.save(args.output_dir)
     return 1 if lagging else 0
+
+
+def _exit_now(line: str) -> NoReturn:
+    """Print `line` and exit 1 without joining threads: a replica sync may be blocked on an RPC
+    that a dead vLLM engine never answers, which would hold the exit until its timeout."""
+    print(line, file=sys.stderr, flush=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def _down_after(urls: Sequence[str]) -> float:

@@ -19,7 +19,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -69,6 +69,8 @@ class BucketWeightTransfer:
         followers: rollout servers that follow the bucket themselves (`serve --follow`): never
             synced by the trainer, so its work per version does not grow with them; their
             served version (each verifies what it serves) is read every `poll_s` for routing.
+        stopped: whether rollouts stopped for good (every replica down): `destroy` then does
+            not wait for syncs, which may be blocked on a dead engine that never answers.
 
     Raises:
         ValueError: the publisher writes metrics records itself (a record needs one writer).
@@ -86,6 +88,7 @@ class BucketWeightTransfer:
         reward_wait_s: float = 30.0,
         followers: dict[str, ReplicaClient] | None = None,
         poll_s: float = 1.0,
+        stopped: Callable[[], bool] = lambda: False,
     ):
         if publisher.config.write_metrics:
             raise ValueError(
@@ -108,6 +111,7 @@ class BucketWeightTransfer:
         self._lock = threading.Lock()
         self.followers = followers or {}
         self._poll_s = poll_s
+        self._stopped = stopped
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="followers", daemon=True)
 
@@ -179,7 +183,15 @@ class BucketWeightTransfer:
         if self.rewards is not None:
             self.rewards.end()  # no more logs: pending syncs stop waiting for rewards
         with self._lock:
-            pending = list(self._pending)
+            pending = [f for f in self._pending if not f.done()]
+        if self._stopped():
+            # vLLM never answers an RPC that was in flight when its engine died: a sync may
+            # block until its request times out, and nothing it could finish matters now
+            log.warning("rollouts stopped: not waiting for %d replica syncs", len(pending))
+            self.publisher.close(timeout=600)
+            self._order.shutdown(wait=False, cancel_futures=True)
+            self._fanout.shutdown(wait=False, cancel_futures=True)
+            return
         futures_wait(pending, timeout=600)  # never raises; failures were logged by _log_failure
         self.publisher.close(timeout=600)
         self._order.shutdown(wait=True)

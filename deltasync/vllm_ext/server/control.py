@@ -57,6 +57,7 @@ RPC_METHODS = frozenset(
 )
 # HTTP status of a refusal by its error type: the replica cannot take that version as it stands
 # (409), or the bucket failed (502); anything else is the server's fault (500).
+_DEATH_POLL_S = 0.5  # how often a call in flight checks that the engine still lives
 _STATUS_OF = {"FormatError": 409, "ChainError": 409, "DigestMismatch": 409, "StoreError": 502}
 NOOP_READ_TIMEOUT_S = 30.0  # the manifest read that tells a no-op sync; then a full sync decides
 
@@ -390,8 +391,15 @@ class ControlPlane:
             self._lock.release()
 
     async def _call(self, engine: Any, method: str, kwargs: dict[str, Any] | None = None) -> list:
+        """One RPC to every worker; 503 once the engine is dead. vLLM never answers an RPC that
+        was in flight when its engine died, so the call also watches `engine.errored`."""
+        rpc = asyncio.ensure_future(engine.collective_rpc(method, kwargs=kwargs or {}))
+        while not (await asyncio.wait({rpc}, timeout=_DEATH_POLL_S))[0]:
+            if getattr(engine, "errored", False):
+                rpc.cancel()
+                raise ControlError(503, f"{method} failed: the engine died")
         try:
-            results = await engine.collective_rpc(method, kwargs=kwargs or {})
+            results = rpc.result()
         except Exception as exc:
             status = 503 if type(exc).__name__ == "EngineDeadError" else 500
             raise ControlError(status, f"{method} failed on a worker: {_first_line(exc)}") from None

@@ -325,3 +325,21 @@ def test_init_refuses_another_bucket():
     assert run(request(mw, engine, "/init_weight_transfer_engine", ok))[0] == 200
     for bad in ({"init_info": {"bucket": "/b", "token": "x"}}, {"bucket": "/b"}, []):
         assert run(request(mw, engine, "/init_weight_transfer_engine", bad))[0] == 422
+
+
+def test_a_call_in_flight_when_the_engine_dies_is_a_503():
+    """vLLM never answers an RPC that was in flight when its engine died (its pending utility
+    futures are never resolved): the call sees `errored` and answers 503 instead of hanging."""
+
+    class Dying(Engine):
+        errored = False
+
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            self.errored = True
+            await asyncio.Event().wait()  # never answered
+
+    engine = Dying()
+    status, answer = run(
+        request(middleware(engine), engine, "/collective_rpc", {"method": "deltasync_status"})
+    )
+    assert (status, answer) == (503, {"error": "deltasync_status failed: the engine died"})
