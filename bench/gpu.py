@@ -1,7 +1,11 @@
 """The prepared GPU check: what a GPU trainer and a GPU replica pay per version, bit for bit.
 
     PYTHONPATH=. python -m bench.gpu --json gpu.json          # cuda: qwen3-0.6b and qwen3-1.7b
-    PYTHONPATH=. python -m bench.gpu --device cpu --models qwen3-tiny --steps 2   # what CI runs
+    PYTHONPATH=. python -m bench.gpu --device cpu --small      # qwen3-micro, 2 steps: CI dry run
+
+`--device cuda` means the current CUDA device as its tensors report it (`cuda:0`), so the device
+snapshot's device check compares like with like. One warm-up step per shape (`--warmup`, which
+compiles the host loops and warms the allocator) runs first and is not reported.
 
 `scripts/gpu_check.sh` runs it on a bare single-GPU machine. It needs torch, numpy, numba, xxhash,
 safetensors and transformers only (no vLLM, no zstandard, no TRL: deltas use the `ans`
@@ -16,7 +20,8 @@ real AdamW steps (fp32 master weights on the device, LM loss on random tokens, b
 - encode (`ans`), then the replica's stage (decode + verify against host copies) and apply (the
   pause: changed elements written in place into fused qkv / gate_up parameters on the device);
   afterwards every served parameter equals the trainer's bf16 view bit for bit.
-Any failed check raises; the result (JSON) says `"checks": "ok"` otherwise.
+Any failed check raises; the result (JSON) says `"checks": "ok"` and `"ok": true` otherwise
+(part 1 of `scripts/gpu_check.sh`).
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ from deltasync.replica.replica import Replica
 from deltasync.vllm_ext.apply.device import InPlaceSink
 from deltasync.wire.digests import total
 
+from .gpu_common import GPU_SHAPES, device_of, shape_of
 from .output import save_json
-from .realistic import SHAPES, build_config
+from .realistic import build_config
 from .vllm_standin import StandInQwen3, standin_layout
 
 __all__ = ["main"]
@@ -81,10 +87,12 @@ def _served_equals(standin: torch.nn.Module, trainer: torch.nn.Module) -> None:
         assert torch.equal(run.view(torch.int16), want), f"served {name}"
 
 
-def run(model: str, device: torch.device, steps: int, lr: float, seed: int) -> dict:
+def run(
+    model: str, device: torch.device, steps: int, lr: float, seed: int, warmup: int = 1
+) -> dict:
     from transformers import Qwen3ForCausalLM
 
-    config = build_config(SHAPES[model])
+    config = build_config(shape_of(model))
     torch.manual_seed(seed)
     with torch.device(device):
         trainer = Qwen3ForCausalLM(config).float()
@@ -111,7 +119,10 @@ def run(model: str, device: torch.device, steps: int, lr: float, seed: int) -> d
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rows = []
-    for step in range(1, steps + 1):
+    for step in range(1 - warmup, steps + 1):  # steps < 1 warm up and are not reported
+        if step == 1 and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        version = step + warmup
         _, step_s = _timed(device, optimizer_step)
         want, host_s = _timed(device, host.diff, trainer, digests=False)
         diff, device_s = _timed(device, on_device.diff, trainer, digests=False)
@@ -124,18 +135,20 @@ def run(model: str, device: torch.device, steps: int, lr: float, seed: int) -> d
             encode_delta,
             diff,
             run_id=RUN_ID,
-            version=step + 1,
-            base_version=step,
+            version=version + 1,
+            base_version=version,
             state_digest=total(new_sums),
             encoding="ans",
         )
         staged, stage_s = _timed(device, replica.stage, [(data, None)])
         applied, apply_s = _timed(device, replica.commit, staged)
-        assert applied and replica.version == step + 1, "the replica did not take the version"
+        assert applied and replica.version == version + 1, "the replica did not take the version"
         _served_equals(standin, trainer)
         host.advance(want)
         on_device.advance(diff)
         sums = new_sums
+        if step < 1:
+            continue
         rows.append(
             {
                 "step": step,
@@ -173,19 +186,27 @@ def run(model: str, device: torch.device, steps: int, lr: float, seed: int) -> d
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
     p.add_argument("--device", type=torch_device, default="cuda")
-    p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b"], choices=SHAPES)
-    p.add_argument("--steps", type=count, default=3)
+    p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b"], choices=GPU_SHAPES)
+    p.add_argument("--steps", type=count, default=3, help="reported steps (after the warm-up)")
+    p.add_argument("--warmup", type=whole, default=1, help="unreported steps first")
+    p.add_argument("--small", action="store_true", help="qwen3-micro, 2 steps (the CI dry run)")
     p.add_argument("--lr", type=learning_rate, default=1e-6)
     p.add_argument("--seed", type=whole, default=0)
     p.add_argument("--json", type=json_path, default=None, help="also write the result here")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
+    if args.small:
+        args.models, args.steps = ["qwen3-micro"], min(args.steps, 2)
+    device = device_of(args.device)
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "models": [run(m, device, args.steps, args.lr, args.seed) for m in args.models],
+        "models": [
+            run(m, device, args.steps, args.lr, args.seed, args.warmup) for m in args.models
+        ],
         "checks": "ok",
+        "part": "gpu",
+        "ok": True,
     }
     print(json.dumps(result, indent=1))
     save_json(result, args.json)

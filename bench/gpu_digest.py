@@ -1,8 +1,11 @@
 """The full-state digest on a torch device: bit for bit against the compiled CPU loops, and what a
 full pass and an O(changed) update cost there (the GPU replica's recompute and per-version move).
 
-    PYTHONPATH=. python -m bench.gpu_digest                          # cuda, qwen3-0.6b shape
-    PYTHONPATH=. python -m bench.gpu_digest --device cpu --model qwen3-tiny   # what CI can run
+    PYTHONPATH=. python -m bench.gpu_digest                          # cuda, qwen3-8b shape
+    PYTHONPATH=. python -m bench.gpu_digest --device cpu --small     # qwen3-micro: CI dry run
+
+Part 6 of `scripts/gpu_check.sh`. Random states and changes are drawn on the device itself (an
+8B state drawn on the host would take longer than the pass it measures).
 
 Needs torch, numpy, numba, xxhash and transformers (for the shapes, on the meta device) only:
 it runs on a bare GPU machine from the repository root. Checks, each one failing loudly:
@@ -27,8 +30,8 @@ from deltasync.kernels.changes import TensorChange
 from deltasync.kernels.state_hash import apply_changes, device_sum, state_sums, tensor_sum
 from deltasync.wire.digests import total
 
+from .gpu_common import GPU_SHAPES, device_of, shape_of
 from .output import save_json
-from .realistic import SHAPES
 from .synthetic import parameter_shapes
 
 __all__ = ["main"]
@@ -45,13 +48,16 @@ def _timed(fn: Callable[[], object], device: torch.device) -> tuple[object, floa
 
 
 def _random_bf16(shape: tuple[int, ...], device: torch.device, gen: torch.Generator):
-    bits = torch.randint(-(1 << 15), 1 << 15, shape, dtype=torch.int16, generator=gen)
-    return bits.to(device).view(torch.bfloat16)
+    bits = torch.randint(
+        -(1 << 15), 1 << 15, shape, dtype=torch.int16, generator=gen, device=device
+    )
+    return bits.view(torch.bfloat16)
 
 
 def run(model: str, device: torch.device, density: float) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    state = {n: _random_bf16(s, device, gen) for n, s in parameter_shapes(model).items()}
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = parameter_shapes(shape_of(model))
+    state = {n: _random_bf16(s, device, gen) for n, s in shapes.items()}
     elements = sum(t.numel() for t in state.values())
     on_device, full_s = _timed(lambda: {n: device_sum(n, t) for n, t in state.items()}, device)
     host = {n: t.cpu() for n, t in state.items()}
@@ -79,7 +85,7 @@ def run(model: str, device: torch.device, density: float) -> dict:
     after = {}
     for n, t in state.items():
         count = max(1, int(density * t.numel()))
-        idx = torch.randperm(t.numel(), generator=gen)[:count].sort().values.to(device)
+        idx = torch.randperm(t.numel(), generator=gen, device=device)[:count].sort().values
         new = _random_bf16((count,), device, gen)
         old = t.reshape(-1)[idx]
         keep = new.view(torch.int16) != old.view(torch.int16)
@@ -101,17 +107,21 @@ def run(model: str, device: torch.device, density: float) -> dict:
         "host_compiled_full_pass_s": host_s,
         "update_s": update_s,
         "checks": "ok",
+        "part": "gpu_digest",
+        "ok": True,
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_digest", description=__doc__)
     p.add_argument("--device", type=torch_device, default="cuda")
-    p.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
+    p.add_argument("--model", default="qwen3-8b", choices=sorted(GPU_SHAPES))
+    p.add_argument("--small", action="store_true", help="the qwen3-micro shape (CI dry run)")
     p.add_argument("--density", type=fraction, default=0.02)
     p.add_argument("--json", type=json_path, default=None, help="also write the result here")
     args = p.parse_args(argv)
-    result = run(args.model, torch.device(args.device), args.density)
+    model = "qwen3-micro" if args.small else args.model
+    result = run(model, device_of(args.device), args.density)
     print(json.dumps(result, indent=1))
     save_json(result, args.json)
     return 0

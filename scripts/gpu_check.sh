@@ -1,23 +1,99 @@
 #!/usr/bin/env bash
-# The prepared GPU check: run from a copy of the repository on a bare single-GPU machine.
-#   bash scripts/gpu_check.sh [OUT_DIR]          (default: $OUT, else ./gpu-results)
-# Nothing is installed: the project runs from PYTHONPATH with the machine's Python ($PYTHON, else
-# /opt/torch/.venv/bin/python, else python3), which needs torch, numpy, numba, xxhash, safetensors
-# and transformers; no vLLM, no zstandard, no internet. About 2-4 minutes on one H200.
-set -euo pipefail
+# The one-shot GPU check (issue 30): seven parts, each under `timeout`, each writing its own JSON
+# under OUT as it finishes, all within 5 minutes on one H200.
+#   bash scripts/gpu_check.sh [OUT_DIR]             a lent GPU (default OUT: $OUT, else ./gpu-results)
+#   bash scripts/gpu_check.sh --dry-run OUT_DIR     CI: the same parts on CPU tensors, small shapes
+#                                                   (also GPU_CHECK_DRY_RUN=1), in under 2 minutes
+# Nothing is installed and torch is never pinned: the project runs from PYTHONPATH with the
+# machine's Python ($PYTHON, else /opt/torch/.venv/bin/python, else python3; the dry run prefers
+# .venv/bin/python), which needs torch, numpy, numba, xxhash, safetensors and transformers; no
+# vLLM, no zstandard, no internet. A part that fails or hangs costs only itself: every part runs,
+# OUT/summary.json lists each one's exit status and time, and the script exits non-zero if any
+# part failed. Parts (modules under bench/, each with --device and --small):
+#   1 gpu          bench.gpu: 0.6B and 1.7B shapes, 3 steps after a warm-up
+#   2 gpu_detect   trainer change detection, 8B shape, 0.5/3/15/50 % + the host path once
+#   3 gpu_commit   8B stand-in replica, ~6 GB free: commits of 1/3/10 % deltas
+#   4 gpu_graphs   CUDA graph + torch.compile harness, commits between replays, inference_mode
+#   5 gpu_special  special values, CPU against device bf16 conversion
+#   6 gpu_digest   the full-state digest at the 8B shape
+#   7 gpu_fsdp     FSDP2 world size 1 through the sharded publish
+set -uo pipefail
 cd "$(dirname "$0")/.."
+dry="${GPU_CHECK_DRY_RUN:-0}"
+if [ "${1:-}" = "--dry-run" ]; then
+  dry=1
+  shift
+fi
 out="${1:-${OUT:-gpu-results}}"
 mkdir -p "$out"
-py="${PYTHON:-/opt/torch/.venv/bin/python}"
+out="$(cd "$out" && pwd)"
+: > "$out/log"
+if [ "$dry" = 1 ]; then
+  py="${PYTHON:-.venv/bin/python}"
+  flags=(--device cpu --small)
+  budget=115 # seconds for all parts together
+else
+  py="${PYTHON:-/opt/torch/.venv/bin/python}"
+  flags=(--device cuda)
+  budget=285
+fi
 [ -x "$py" ] || py=python3
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
 "$py" -c "import torch, numba, xxhash, safetensors, transformers
-assert torch.cuda.is_available(), 'no CUDA device visible to torch'
-print('torch', torch.__version__, 'on', torch.cuda.get_device_name(0))"
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-status=0
-timeout 300 "$py" -m bench.gpu --json "$out/gpu.json" >/dev/null 2> "$out/gpu.log" || status=$?
-timeout 90 "$py" -m bench.gpu_digest --json "$out/gpu_digest.json" >/dev/null \
-  2> "$out/gpu_digest.log" || status=$?
-tail -n 20 "$out/gpu.log" "$out/gpu_digest.log"
-exit "$status"
+print('torch', torch.__version__, 'on',
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')" \
+  2>&1 | tee -a "$out/log"
+[ "$dry" = 1 ] || nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+
+start=$SECONDS
+failed=0
+summary=""
+# run_part NAME CAP_SECONDS MODULE [ARGS...]: at most CAP seconds, and never past the budget.
+run_part() {
+  local name=$1 cap=$2 module=$3
+  shift 3
+  local left=$((budget - (SECONDS - start)))
+  local limit=$((cap < left ? cap : left))
+  local t0=$SECONDS rc
+  rm -f "$out/$name.json"
+  if [ "$limit" -lt 5 ]; then
+    rc=125
+    echo "== $name: skipped, no time left in the ${budget} s budget" | tee -a "$out/log"
+  else
+    echo "== $name ($module, at most ${limit} s)" | tee -a "$out/log"
+    timeout -k 5 "$limit" "$py" -m "$module" "${flags[@]}" "$@" --json "$out/$name.json" \
+      2>&1 | tee -a "$out/log" > "$out/$name.log"
+    rc=$?
+  fi
+  if [ ! -s "$out/$name.json" ]; then # killed before its first write: a stub says why
+    printf '{"part": "%s", "ok": false, "complete": false, "rc": %d, "error": "%s"}\n' \
+      "$name" "$rc" "exit status $rc (124: timed out after ${limit} s; 125: not run)" \
+      > "$out/$name.json"
+  fi
+  [ "$rc" -eq 0 ] || failed=1
+  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$out/log"
+  summary="$summary${summary:+, }\"$name\": {\"rc\": $rc, \"wall_s\": $((SECONDS - t0))}"
+}
+
+if [ "$dry" = 1 ]; then
+  run_part gpu 45 bench.gpu
+  run_part gpu_detect 20 bench.gpu_detect
+  run_part gpu_commit 15 bench.gpu_commit
+  run_part gpu_graphs 25 bench.gpu_graphs --versions 2
+  run_part gpu_special 10 bench.gpu_special
+  run_part gpu_digest 15 bench.gpu_digest
+  run_part gpu_fsdp 20 bench.gpu_fsdp
+else
+  run_part gpu 90 bench.gpu
+  run_part gpu_detect 60 bench.gpu_detect
+  run_part gpu_commit 45 bench.gpu_commit
+  run_part gpu_graphs 50 bench.gpu_graphs
+  run_part gpu_special 15 bench.gpu_special
+  run_part gpu_digest 45 bench.gpu_digest
+  run_part gpu_fsdp 40 bench.gpu_fsdp
+fi
+echo "{\"dry_run\": $([ "$dry" = 1 ] && echo true || echo false), \"failed\": $failed," \
+  "\"wall_s\": $((SECONDS - start)), \"parts\": {$summary}}" > "$out/summary.json"
+cat "$out/summary.json" | tee -a "$out/log"
+exit "$failed"

@@ -45,7 +45,7 @@ from deltasync.defaults import ANCHOR_INTERVAL
 from deltasync.publisher.checkpoint_names import CheckpointNames
 from deltasync.publisher.shards import ShardGroup
 from deltasync.vllm_ext.client import ReplicaClient
-from deltasync.wire.source import resolve_source
+from deltasync.wire.source import ModelSource, resolve_source
 
 from . import defaults
 from .auth_proxy import AuthProxy
@@ -206,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="delta encoding (default %(default)s)",
     )
     p.add_argument(
+        "--change-detection",
+        choices=("auto", "host", "device"),
+        default="auto",
+        help="where each step's changed weights are found: on the parameters' device against a "
+        "bf16 reference there (2 bytes per parameter), on the host from a bf16 copy, or auto: "
+        "the device unless the parameters are on the CPU or its free memory is short (default "
+        "%(default)s; the choice is logged)",
+    )
+    p.add_argument(
         "--anchor-interval",
         type=count,
         default=ANCHOR_INTERVAL,
@@ -306,20 +315,10 @@ def _train(args: argparse.Namespace) -> int:
     run_id = args.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     if shards is not None:
         run_id = shards.broadcast(run_id)  # rank 0's clock names the run for every rank
+    # version 1 names the checkpoint when the weights still equal it (no full upload)
+    source = None if sharded or args.full_first_anchor else resolve_source(model)
     publisher = Publisher(
-        open_store(args.bucket),
-        PublisherConfig(
-            run_id=run_id,
-            encoding=args.encoding,
-            policy=AnchorPolicy(
-                interval=args.anchor_interval, max_delta_fraction=args.anchor_fraction
-            ),
-            write_metrics=False,  # the transfer writes each record once, replicas and reward in
-            # version 1 names the checkpoint when the weights still equal it (no full upload)
-            source=None if sharded or args.full_first_anchor else resolve_source(model),
-            takeover=args.takeover or args.resume,
-        ),
-        shards=shards,
+        open_store(args.bucket), publisher_config(args, run_id, source), shards=shards
     )
     # refusals before the claim leave the bucket as it was
     weights, checkpoint = _continued(args, publisher) if not sharded else (None, None)
@@ -399,6 +398,21 @@ def _exit_now(line: str) -> NoReturn:
     logging.shutdown()
     sys.stdout.flush()
     os._exit(1)
+
+
+def publisher_config(
+    args: argparse.Namespace, run_id: str, source: ModelSource | None
+) -> PublisherConfig:
+    """The publisher's settings from the trainer's flags."""
+    return PublisherConfig(
+        run_id=run_id,
+        encoding=args.encoding,
+        change_detection=args.change_detection,
+        policy=AnchorPolicy(interval=args.anchor_interval, max_delta_fraction=args.anchor_fraction),
+        write_metrics=False,  # the transfer writes each record once, replicas and reward in
+        source=source,
+        takeover=args.takeover or args.resume,
+    )
 
 
 def _down_after(urls: Sequence[str]) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import safetensors.torch
 import torch
@@ -17,7 +18,7 @@ from deltasync.codec import ans, coo, packed
 from deltasync.codec.virtual import source_tensors
 from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Boxes
-from deltasync.kernels.changes import WORKERS, Diff, TensorChange
+from deltasync.kernels.changes import WORKERS, Diff, TensorChange, bits
 from deltasync.kernels.state_hash import state_sums
 from deltasync.wire.digests import StateDigest, tensor_digest, total
 from deltasync.wire.header import TensorInfo
@@ -32,7 +33,14 @@ from deltasync.wire.metadata import (
 )
 from deltasync.wire.source import ModelSource
 
-__all__ = ["DecodedFile", "decode", "encode_anchor", "encode_delta", "encode_virtual_anchor"]
+__all__ = [
+    "DecodedFile",
+    "Gathering",
+    "decode",
+    "encode_anchor",
+    "encode_delta",
+    "encode_virtual_anchor",
+]
 
 _SUFFIXES = {
     "ans": (".gaps", ".vals"),
@@ -40,6 +48,22 @@ _SUFFIXES = {
     "coo": (".indices", ".values"),
 }
 _DTYPES = {"ans": ("U8", "U8"), "packed": ("U8", "U8"), "coo": ("I32", "BF16")}
+
+
+@runtime_checkable
+class Gathering(Protocol):
+    """A delta's base that gives its values only at given flat indices (a device sink's
+    parameters, selected where they live), so that decoding never copies a whole tensor of it."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape of the tensor held under `name`."""
+        ...
+
+    def gather(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+        """A fresh CPU bf16 tensor of the values at flat int64 `indices` of tensor `name`."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -215,8 +239,9 @@ def decode(
     `offsets[name]` on, and the changes' indices are relative to it (a rank replaying its own
     part). With `boxes`, the reader holds one box of each tensor (a tensor-parallel worker):
     an anchor yields only the boxes (reading only their bytes), a delta only the changes inside
-    them, at the boxes' flat indices, against `base` holding the boxes. Raises `FormatError`
-    for anything malformed; never mutates `base`.
+    them, at the boxes' flat indices, against `base` holding the boxes. A `base` that gathers
+    (`Gathering`) is read only at the changed indices. Raises `FormatError` for anything
+    malformed; never mutates `base`.
     """
     if isinstance(file, ParsedParts):
         return _decode_parts(file, base, boxes)
@@ -392,21 +417,21 @@ def _decode_one(
 ) -> TensorChange:
     if name not in base:
         raise FormatError("unknown tensor name (not in the reader's model)", tensor=name)
-    target = base[name]
+    gathering = base if isinstance(base, Gathering) else None
+    target = base[name] if gathering is None else _zeros(gathering.shape_of(name))
+    held = tuple(target.shape)
     entry = meta.tensors[name]
     offset = 0 if offsets is None else offsets[name]
     box = None if boxes is None else boxes[name]
     if box is not None:
-        if entry.shape != box.shape or tuple(target.shape) != box.local_shape:
+        if entry.shape != box.shape or held != box.local_shape:
             raise FormatError(
                 f"shape {entry.shape} differs from the reader's {box.shape} (box "
-                f"{box.local_shape}, held {tuple(target.shape)})",
+                f"{box.local_shape}, held {held})",
                 tensor=name,
             )
-    elif offsets is None and entry.shape != tuple(target.shape):
-        raise FormatError(
-            f"shape {entry.shape} differs from the reader's {tuple(target.shape)}", tensor=name
-        )
+    elif offsets is None and entry.shape != held:
+        raise FormatError(f"shape {entry.shape} differs from the reader's {held}", tensor=name)
     try:
         if meta.encoding in ("ans", "packed"):
             module = ans if meta.encoding == "ans" else packed
@@ -425,4 +450,26 @@ def _decode_one(
         raise FormatError(
             f"{change.indices.numel()} changes, metadata says {entry.changed}", tensor=name
         )
-    return change
+    if gathering is None:
+        return change
+    return _rebased(change, gathering.gather(name, change.indices), meta.encoding)
+
+
+def _zeros(shape: tuple[int, ...]) -> torch.Tensor:
+    """A bf16 tensor of zeros of `shape` that takes no memory (every element is one)."""
+    return torch.zeros((), dtype=torch.bfloat16).expand(shape)
+
+
+def _rebased(change: TensorChange, previous: torch.Tensor, encoding: str) -> TensorChange:
+    """A change decoded against zeros, given the base's values at its indices.
+
+    The encodings of today code each value either as a step from the base's value modulo
+    2**16 (ans, packed: against zeros they decode to the steps, and every check they make is
+    on the steps and indices, not on the base) or as itself (coo); so decoding against zeros and
+    then adding the base's values at the changed indices gives what decoding against the whole
+    base gives, reading the base only there.
+    """
+    values = change.values
+    if encoding != "coo":
+        values = torch.from_numpy(bits(previous) + bits(change.values)).view(torch.bfloat16)
+    return TensorChange(change.indices, values, previous)

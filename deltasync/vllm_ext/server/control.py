@@ -51,10 +51,9 @@ log = logging.getLogger("deltasync.control")
 
 SYNC_PATH = "/deltasync/sync"
 STAGE_RPC = "deltasync_stage"
+SHARE_RPC = "deltasync_state_share"  # its `start` begins a background pass, changing nothing
 # What `/collective_rpc` may run: staging (it changes nothing served) and read-only inspection.
-RPC_METHODS = frozenset(
-    {STAGE_RPC, "deltasync_status", "deltasync_digests", "deltasync_state_share"}
-)
+RPC_METHODS = frozenset({STAGE_RPC, "deltasync_status", "deltasync_digests", SHARE_RPC})
 # HTTP status of a refusal by its error type: the replica cannot take that version as it stands
 # (409), or the bucket failed (502); anything else is the server's fault (500).
 _DEATH_POLL_S = 0.5  # how often a call in flight checks that the engine still lives
@@ -350,6 +349,9 @@ class ControlPlane:
                 stage_args(kwargs.get("version"), kwargs.get("path", ""))
             except FormatError as exc:
                 raise ControlError(422, f"{STAGE_RPC}: {exc}") from None
+        elif method == SHARE_RPC:
+            if set(kwargs) - {"start"} or kwargs.get("start", "") not in ("", "1"):
+                raise ControlError(422, f'{SHARE_RPC} takes only start: "1" or ""')
         elif kwargs:
             raise ControlError(422, f"{method} takes no arguments")
         results = await self._call(engine, method, kwargs)

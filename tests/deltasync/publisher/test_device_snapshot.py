@@ -6,6 +6,8 @@ makes, compared with the host path's compiled scan.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from model_steps import AdamWLoop, tiny_qwen3
@@ -14,7 +16,15 @@ from test_publisher import FlakyStore, _equal
 
 from deltasync.errors import FormatError, PublishError
 from deltasync.kernels.changes import Diff
-from deltasync.publisher.device_snapshot import DeviceSnapshot, detection_device
+from deltasync.publisher import device_snapshot
+from deltasync.publisher import publisher as publisher_module
+from deltasync.publisher.device_snapshot import (
+    TRANSIENT_BYTES,
+    DeviceSnapshot,
+    detection_device,
+    device_bytes_needed,
+    normalize_device,
+)
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.replica.replica import Replica
@@ -190,3 +200,145 @@ def test_device_mode_resumes_a_run_from_the_bucket(tmp_path):
     replica = Replica()
     replica.sync(store)
     assert _equal(replica, model)
+
+
+def test_devices_are_normalised_to_the_current_index(monkeypatch):
+    """`cuda` is the current CUDA device, which tensors report as `cuda:<index>`."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)  # no GPU needed
+    assert normalize_device("cuda") == torch.device("cuda", 2)
+    assert normalize_device(torch.device("cuda")) == torch.device("cuda", 2)
+    assert normalize_device("cuda:1") == torch.device("cuda", 1)
+    assert normalize_device("cpu") == CPU
+
+
+def test_a_snapshot_for_cuda_compares_equal_to_tensors_on_cuda_0(monkeypatch):
+    """bench/gpu.py passes `torch.device("cuda")`; the parameters report `cuda:0`."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # no GPU needed
+    device = DeviceSnapshot(Bf16Snapshot({}), torch.device("cuda"))
+    assert device.device == torch.device("cuda", 0)
+
+
+def _random_steps(generator: torch.Generator, state: dict[str, torch.Tensor], borders: list[int]):
+    """Change a few % of each tensor in place, always the elements around window borders, some
+    by less than a bf16 step (no change), some to special values."""
+    for tensor in state.values():
+        flat = tensor.view(-1)
+        n = flat.numel()
+        picked = torch.randint(0, n, (max(1, n // 30),), generator=generator)
+        at = torch.cat([picked, torch.tensor([i for i in borders if i < n], dtype=torch.int64)])
+        flat[at] += torch.randn(at.numel(), generator=generator)
+        flat[picked[:3]] *= 1 + 2**-12  # below bf16's resolution: unchanged bits
+        special = picked[-5:]
+        flat[special] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-40])[
+            : special.numel()
+        ]
+
+
+@pytest.mark.parametrize("lag", [0, 2])
+def test_windowed_detection_equals_the_host_path_over_random_states(lag, monkeypatch):
+    """Windows of 1000 over tensors of 5000 (and odd sizes), changes at every window border,
+    versions in flight: the same diffs, bit for bit, and no window longer than asked."""
+    generator = torch.Generator().manual_seed(lag)
+    state = {
+        "flat": torch.randn(5000, generator=generator),
+        "matrix": torch.randn(50, 100, generator=generator),
+        "odd": torch.randn(2501, generator=generator),
+        "small": torch.randn(7, generator=generator),
+    }
+    borders = [b + d for b in range(0, 5001, 1000) for d in (-1, 0, 1) if b + d >= 0]
+    lengths: list[int] = []
+    compare = device_snapshot._changed_on_device
+    monkeypatch.setattr(
+        device_snapshot,
+        "_changed_on_device",
+        lambda ref, window: lengths.append(window.numel()) or compare(ref, window),
+    )
+    host = Bf16Snapshot.capture(state)
+    device = DeviceSnapshot(Bf16Snapshot.capture(state), CPU, window=1000)
+    pending: list[tuple[Diff, Diff]] = []
+    seen: set[int] = set()
+    for _ in range(8):
+        _random_steps(generator, state, borders)
+        want = host.diff(state, [h for h, _ in pending])
+        got = device.diff(state, [d for _, d in pending])
+        assert_same_diff(got, want)
+        seen.update(got.changes["flat"].indices.tolist())
+        pending.append((want, got))
+        while len(pending) > lag:
+            h, d = pending.pop(0)
+            host.advance(h)
+            device.advance(d)
+    assert max(lengths) == 1000
+    assert {b for b in borders if b < 5000} <= seen
+    for name, tensor in host.tensors.items():
+        assert torch.equal(device.tensors[name].view(torch.int16), tensor.view(torch.int16))
+
+
+def test_at_most_6_bytes_per_changed_element_reach_the_host():
+    """An int32 window index and the bf16 value; the previous value is read on the host."""
+    crossed: list[torch.Tensor] = []
+
+    def to_host(tensor: torch.Tensor) -> torch.Tensor:
+        crossed.append(tensor)
+        return tensor.to("cpu", copy=True)
+
+    model = tiny_qwen3(seed=5)
+    loop = AdamWLoop(model, lr=3e-4)
+    host = Bf16Snapshot.capture(model)
+    device = DeviceSnapshot(Bf16Snapshot.capture(model), CPU, window=4096, to_host=to_host)
+    for _ in range(3):
+        loop.step()
+        crossed.clear()
+        want, got = host.diff(model), device.diff(model)
+        assert_same_diff(got, want)
+        assert got.changed_elements > 0
+        assert {t.dtype for t in crossed} == {torch.int32, torch.bfloat16}
+        assert sum(t.numel() * t.element_size() for t in crossed) == 6 * got.changed_elements
+        host.advance(want)
+        device.advance(got)
+
+
+def _meta(*sizes: int) -> dict[str, torch.Tensor]:
+    """Parameters on no CPU, whose sizes are all `auto` reads: a stand-in for a GPU's."""
+    return {f"p{i}": torch.empty(n, device="meta") for i, n in enumerate(sizes)}
+
+
+def test_auto_falls_back_to_the_host_when_device_memory_is_short_and_says_why(caplog):
+    source = _meta(5000, 3000)
+    need = device_bytes_needed([5000, 3000], window=1000)
+    assert need == 2 * 8000 + TRANSIENT_BYTES * 1000
+    meta = torch.device("meta")
+    caplog.set_level(logging.INFO, logger="deltasync.publisher.device_snapshot")
+    assert detection_device(source, "auto", free_bytes=lambda d: need - 1, window=1000) is None
+    assert detection_device(source, "auto", free_bytes=lambda d: need, window=1000) == meta
+    assert detection_device(source, "auto", free_bytes=lambda d: None, window=1000) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all(r.levelno == logging.INFO for r in caplog.records)
+    assert lines[0].startswith("change detection: host (auto: device detection needs")
+    assert lines[1].startswith("change detection: device on meta (auto:")
+    assert "unknown" in lines[2]
+    # asked for explicitly: taken as asked, whatever the memory
+    assert detection_device(source, "device", free_bytes=lambda d: 0) == meta
+    assert detection_device(_meta(10), "host", free_bytes=lambda d: 10**12) is None
+
+
+def test_the_publisher_chooses_and_logs_its_detection_once(tmp_path, monkeypatch, caplog):
+    """In host mode too: an `auto` that changed its mind with versions in flight cannot rewind."""
+    calls = []
+
+    def counted(source, mode):
+        calls.append(mode)
+        return detection_device(source, mode)
+
+    monkeypatch.setattr(publisher_module, "detection_device", counted)
+    caplog.set_level(logging.INFO, logger="deltasync.publisher.device_snapshot")
+    model = tiny_qwen3()
+    loop = AdamWLoop(model, lr=1e-3)
+    with Publisher(LocalStore(tmp_path), PublisherConfig(run_id="run")) as publisher:
+        for _ in range(3):
+            publisher.publish(model).result(timeout=30)
+            loop.step()
+    assert calls == ["auto"]
+    assert [r.getMessage() for r in caplog.records if "change detection" in r.getMessage()] == [
+        "change detection: host (auto: the parameters are on the CPU)"
+    ]
