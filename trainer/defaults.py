@@ -2,9 +2,9 @@
 
 `launch.py` and the launcher must not import torch or TRL, so the numbers both sides agree on
 live here, in a module that imports only `deltasync.defaults` (hosts and ports come from there).
-The trainer run alone and `launch.py --local` are the same run (the tiny model, the sanity task,
-one replica on :8001), so they share one step count; the Spaces run trains a real model on a
-GPU.
+The trainer run alone and `launch.py --local` are the same run (the small built model, the
+sanity task, one replica on :8001), so they share one step count; the Spaces run trains a real
+model on a GPU.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ another OpenEnv environment".
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import threading
 from typing import Any
 
 __all__ = [
@@ -26,6 +29,27 @@ __all__ = [
     "OpenEnvTextTool",
     "WordleTool",
 ]
+
+_OPEN: set[Any] = set()  # sync clients of this process whose session is open
+_OPEN_LOCK = threading.Lock()  # TRL resets, steps and scores sessions from a thread pool
+
+
+def _close_client(client: Any) -> None:
+    """Close one session with a close frame; the server may be gone, which needs nothing."""
+    with _OPEN_LOCK:
+        _OPEN.discard(client)
+    with contextlib.suppress(Exception):
+        client.close()
+
+
+@atexit.register
+def _close_open_sessions() -> None:
+    """Close what is still open when the process ends (a rollout cut off by an exception or by
+    TRL's worker stopping): a dropped socket makes the server log a traceback per session."""
+    with _OPEN_LOCK:
+        clients = list(_OPEN)
+    for client in clients:
+        _close_client(client)
 
 
 class OpenEnvSession:
@@ -62,34 +86,59 @@ class OpenEnvSession:
         return new
 
     def reset(self, **row: Any) -> str:
+        self._close()
+        self._seen, self.reward, self.done = "", 0.0, False
+        try:
+            self._open()
+            result = self._client.reset(**{k: v for k, v in row.items() if k in ("seed", "word")})
+        except BaseException:
+            self._close()
+            raise
+        return self._text(result.observation)
+
+    def _open(self) -> None:
         from .env_client import env_client
 
-        self._close()
         self._client = env_client(self.base_url, self.api_key).sync()
+        with _OPEN_LOCK:
+            _OPEN.add(self._client)
         self._client.connect()
-        self._seen, self.reward, self.done = "", 0.0, False
-        result = self._client.reset(**{k: v for k, v in row.items() if k in ("seed", "word")})
-        return self._text(result.observation)
 
     def _step(self, text: str) -> str:
         if self.done:
             return "The game is over."
-        result = self._client.step(self._action(text))
+        result = self._step_result(self._action(text))
         self.reward = float(result.reward or 0.0)
         self.done = bool(result.done)
         if self.done:
             self._close()
         return self._text(result.observation)
 
+    def _step_result(self, action: dict[str, Any]) -> Any:
+        """One step's result. The server's error reply (RuntimeError) leaves the session as it
+        was; any other failure (a timeout, a dropped socket) leaves replies out of step with
+        requests, so the session is closed and later calls are refused."""
+        if self._client is None:
+            raise RuntimeError("the environment session is closed")
+        try:
+            return self._client.step(action)
+        except RuntimeError:
+            raise
+        except BaseException:
+            self._close()
+            raise
+
     def get_reward(self) -> float:
+        """The rollout's reward. TRL asks once the rollout has ended, done or not (out of tool
+        calls, an answer without one), so its session is closed now rather than left open in
+        TRL's pool of sessions until this object's next reset; an override should call it."""
+        self._close()
         return self.reward
 
     def _close(self) -> None:
-        if self._client is not None:
-            try:
-                self._client.close()
-            finally:
-                self._client = None
+        client, self._client = self._client, None
+        if client is not None:
+            _close_client(client)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"base_url": self.base_url, "api_key": self.api_key}

@@ -150,14 +150,19 @@ class MCPSession(OpenEnvSession):
         self._tools, self._name = tools, name
 
     def _text(self, observation: dict[str, Any]) -> str:
-        shown = [f"{k}: {v}" for k, v in observation.items() if v not in (None, "", [], {})]
-        return "\n\n" + "\n".join(shown) if shown else ""
+        """The reset observation for the prompt: its text alone when it has one field and that
+        is text (a task), else one `name: value` line per field."""
+        shown = {k: v for k, v in observation.items() if v not in (None, "", [], {})}
+        if len(shown) == 1 and isinstance(text := next(iter(shown.values())), str):
+            return "\n\n" + text
+        lines = [f"{k}: {v}" for k, v in shown.items()]
+        return "\n\n" + "\n".join(lines) if lines else ""
 
     def _call(self, tool: str, arguments: dict[str, Any]) -> str:
         if self.done:
             return "The episode is over."
         action = {"type": "call_tool", "tool_name": tool, "arguments": arguments}
-        result = self._client.step(action)
+        result = self._step_result(action)
         self.reward += float(result.reward or 0.0)
         self.done = bool(result.done)
         if self.done:

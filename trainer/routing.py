@@ -1,9 +1,10 @@
 """Which rollout replica serves each request that the trainer's proxy forwards.
 
 TRL talks to one base URL. The trainer's proxy (`trainer.auth_proxy.AuthProxy`) holds a `Router`
-over every replica: a generation request goes to the replica with the fewest requests in flight
-(ties in turn, so a steady stream is spread evenly) among those the trainer deems fresh enough
-(`Eligible`, built in `trainer.train` from `within_staleness`) and that have not just failed; a
+over every replica: a generation request goes to one of those the trainer deems fresh enough
+(`Eligible`, built in `trainer.train` from `within_staleness`) and that have not just failed,
+by least requests in flight with a bounded skew (see `Router`), so that a replica whose requests
+were stuck for a while (a sync's prefetch, a busy core) makes up its share once it answers; a
 read (`/health`, `/v1/models`, `/server_info`) goes to any replica that has not just failed.
 A replica that refuses a connection or answers 5xx sits out `cooldown_s`, then gets requests again;
 the next failure starts another cool-down. Everything here runs on the proxy's event loop thread.
@@ -17,14 +18,46 @@ retries.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Eligible", "Liveness", "NoReplica", "Router", "within_staleness"]
+__all__ = [
+    "COMPLETIONS_LINE",
+    "Eligible",
+    "Liveness",
+    "NoReplica",
+    "Router",
+    "completions_line",
+    "read_completions",
+    "within_staleness",
+]
 
 log = logging.getLogger(__name__)
+
+COMPLETIONS_LINE = "rollout routing: completions per replica "
+"""The proxy's last log line starts with this, then a JSON object URL -> completions; the
+launcher's summary and the benchmarks read it back from the trainer's log."""
+
+
+def completions_line(completions: Mapping[str, int]) -> str:
+    """The line the proxy logs on exit (`read_completions` parses it)."""
+    return COMPLETIONS_LINE + json.dumps(dict(completions))
+
+
+def read_completions(text: str) -> dict[str, int] | None:
+    """Completions per replica URL from the last `completions_line` in a log; None if none."""
+    for line in reversed(text.splitlines()):
+        _, found, rest = line.partition(COMPLETIONS_LINE)
+        if found:
+            try:
+                return {str(url): int(n) for url, n in json.loads(rest).items()}
+            except (ValueError, AttributeError):  # a torn or older (repr) line
+                return None
+    return None
+
 
 Eligible = Callable[[], Collection[str]]
 """The upstream URLs that may generate rollouts now (a subset of the router's upstreams).
@@ -93,16 +126,35 @@ class _Replica:
     cool_until: float = 0.0
     failing: bool = False
     completions: int = 0
+    forgiven: int = 0  # answers it missed while failing, not to be made up (`Router._even`)
+
+    @property
+    def share(self) -> int:
+        """What routing balances: its answers plus those it does not claim."""
+        return self.completions + self.forgiven
 
 
 class Router:
     """Picks an upstream per request and keeps each one's requests in flight and cool-down.
+
+    A read goes to the least busy replica (ties in turn). A generation goes to a replica holding
+    fewer than `max_skew` requests more than the least busy one; among those, to the one that has
+    answered the fewest so far, then the least busy, then in turn (a replica that failed starts
+    level again once it answers). Why not plain least-outstanding: a replica whose requests are
+    stuck (its first sync's prefetch, an engine sharing a core) gets nothing new while stuck,
+    which is right, but once it answers it only gets an equal share of what comes next, so a
+    stall early in a short run leaves it far behind for the whole run. Here it makes up its
+    share, at most `max_skew` requests ahead of the least busy, so a replica that is really
+    slower never holds more than that extra and the others are never starved either.
+    `max_skew=1` is plain least-outstanding.
 
     Args:
         upstreams: the replicas' base URLs, at least one, no duplicates.
         eligible: which of them may generate now; None: all of them.
         cooldown_s: how long a replica that refused a connection or answered 5xx gets no
             request before it is tried again.
+        max_skew: at least 1; how many more requests in flight a replica that is behind in
+            answers may hold than the least busy one, after the new one.
         clock: seconds, monotonic (tests pass a fake).
     """
 
@@ -112,8 +164,11 @@ class Router:
         eligible: Eligible | None = None,
         *,
         cooldown_s: float = 5.0,
+        max_skew: int = 2,
         clock: Callable[[], float] = time.monotonic,
     ):
+        if max_skew < 1:
+            raise ValueError(f"max_skew must be at least 1, got {max_skew}")
         if isinstance(upstreams, str):
             raise TypeError("upstreams is a sequence of URLs, not one URL")
         urls = [u.rstrip("/") for u in upstreams]
@@ -122,6 +177,7 @@ class Router:
         self._replicas = {u: _Replica(u, i) for i, u in enumerate(urls)}
         self._eligible = eligible
         self._cooldown_s = cooldown_s
+        self._max_skew = max_skew
         self._clock = clock
         self._turn = 0  # the position that wins the next tie
         self._generating: frozenset[str] | None = None  # last eligible set, to log changes
@@ -145,10 +201,26 @@ class Router:
             ready = [r for r in up if r.url in allowed]
         if not ready:
             return NoReplica(self._reason(generation, len(left) - len(up), len(up), len(tried)))
-        n = len(self._replicas)
-        best = min(ready, key=lambda r: (r.outstanding, (r.position - self._turn) % n))
-        self._turn = (best.position + 1) % n
+        best = self._best(ready) if generation else min(ready, key=self._busy)
+        self._turn = (best.position + 1) % len(self._replicas)
         return best.url
+
+    def _busy(self, replica: _Replica) -> tuple[int, int]:
+        """Least busy first, ties in turn."""
+        return replica.outstanding, (replica.position - self._turn) % len(self._replicas)
+
+    def _best(self, ready: list[_Replica]) -> _Replica:
+        """Fewest answers among those within `max_skew` of the least busy (see the class)."""
+        floor = min(r.outstanding for r in ready)
+        near = [r for r in ready if r.outstanding < floor + self._max_skew]
+        return min(near, key=lambda r: (r.share, *self._busy(r)))
+
+    def _even(self, back: _Replica) -> None:
+        """A replica that answers again after failing starts level with the others: the requests
+        it missed while out are not made up, which would pile them on a replica that may fail
+        again (one stuck or left out for staleness does make up its share)."""
+        ahead = max(r.share for r in self._replicas.values())
+        back.forgiven += ahead - back.share
 
     def started(self, url: str) -> None:
         """A request was sent to `url` (call `finished` when it ends, whatever happened)."""
@@ -168,6 +240,7 @@ class Router:
             replica.completions += generated
             if replica.failing:
                 replica.failing = False
+                self._even(replica)
                 log.info("rollout replica %s answers again", url)
             return
         replica.cool_until = self._clock() + self._cooldown_s

@@ -1,4 +1,4 @@
-"""Single-GPU async GRPO that syncs weights to rollout replicas through a bucket.
+r"""Single-GPU async GRPO that syncs weights to rollout replicas through a bucket.
 
     # the default: a small random Qwen3 built offline, the sanity task, one local replica on :8001
     python -m trainer.train --bucket ./bucket --vllm-server-url http://127.0.0.1:8001
@@ -384,6 +384,8 @@ def _train(args: argparse.Namespace) -> int:
         transfer.state.synced,
         f", lagging {lagging}" if lagging else "",
     )
+    if latency := transfer.latency_summary():
+        console.info("%s", latency)
     if report is not None and (not sharded or trainer.accelerator.is_main_process):
         for warning in report.warnings():
             console.warning("warning: %s", warning)

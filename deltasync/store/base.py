@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -50,6 +51,8 @@ class Store:
     """
 
     conditional_writes = False
+    range_bytes = 16 * 1024 * 1024  # `get_sized`: one ranged read per this many bytes
+    range_workers = 8  # ... at most this many at once (1: one stream)
 
     def __init__(
         self,
@@ -109,6 +112,27 @@ class Store:
                 f"object is larger than the {limit} bytes expected; not read", path=path
             )
         return data
+
+    def get_sized(self, path: str, size: int) -> bytes:
+        """An object expected to hold `size` bytes (a manifest entry's file), bounded as
+        `get(limit=size)` is: a larger object is refused, a shorter one comes back short.
+
+        A bucket caps each stream's bandwidth and charges each call a round trip, so an object
+        over two `range_bytes` is read as ranges, `range_workers` at a time, each retried on
+        its own; the last range asks for one byte more than `size` to detect a larger object.
+        """
+        if size < 0:
+            raise StoreError(f"invalid size {size}", path=path)
+        if self.range_workers < 2 or size < 2 * self.range_bytes:
+            return self.get(path, limit=size)
+        bounds = [*range(0, size, self.range_bytes), size + 1]
+        with ThreadPoolExecutor(min(self.range_workers, len(bounds) - 1)) as pool:
+            parts = list(pool.map(self.get_range, [path] * (len(bounds) - 1), bounds, bounds[1:]))
+        if len(parts[-1]) > size - bounds[-2]:
+            raise RefusedObject(
+                f"object is larger than the {size} bytes expected; not read", path=path
+            )
+        return b"".join(parts)
 
     def _read(self, full: str, end: int | None) -> bytes:
         """One attempt at reading an object from its start, to `end` (None: the whole of it)."""

@@ -37,6 +37,7 @@ _HEX128 = re.compile(r"[0-9a-f]{32}")
 _FENCING = ("epoch", "previous")  # manifest keys since protocol 5
 _BEFORE_FENCING = ("deltasync/1", "deltasync/2", "deltasync/3", "deltasync/4")
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+MANIFEST_PROBE_BYTES = 1024 * 1024  # a manifest this small is read in one round trip
 FileData = bytes | tuple[bytes, ...]  # one file, or the parts of a sharded version in order
 
 
@@ -440,9 +441,16 @@ def read_manifest(store: Store) -> Manifest | None:
 
 def read_manifest_bytes(store: Store) -> bytes | None:
     """The manifest's bytes (None for an empty bucket), never more than `MAX_MANIFEST_BYTES`
-    read: its size is checked first, and the read stops past the limit even when the object
-    grew (or lied about its size) in between."""
+    read.
+
+    One round trip for a manifest up to `MANIFEST_PROBE_BYTES` (every follower's poll): a read
+    that stops one byte past it. Only a larger one costs more: its size is checked, then the
+    read stops past the limit even when the object grew (or lied about its size) in between."""
     try:
+        try:
+            return store.get(MANIFEST_PATH, limit=MANIFEST_PROBE_BYTES)
+        except RefusedObject:
+            pass
         size = store.size(MANIFEST_PATH)
         if size > MAX_MANIFEST_BYTES:
             raise FormatError(
@@ -493,8 +501,8 @@ def fetch_entry(
 def fetch_file(store: Store, file: PartRef, *, tensors: int | None = None) -> bytes:
     """One stored file of a version (a whole file or one part), checked as `fetch_entry` does
     (the declared size is the caller's to bound: `check_declared_size`)."""
-    try:  # never reads past the declared size (+1)
-        data = store.get(file.path, limit=file.bytes)
+    try:  # never reads past the declared size (+1); a large file as parallel ranges
+        data = store.get_sized(file.path, file.bytes)
     except RefusedObject as exc:
         raise FormatError(f"file does not match the manifest: {exc}", path=file.path) from None
     if len(data) != file.bytes or bytes_digest(data) != file.digest:

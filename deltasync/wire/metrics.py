@@ -35,6 +35,15 @@ class ReplicaOutcome:
         pause_s: inference paused for apply + verify (0 when it failed).
         total_s: from the first try to the outcome, as the trainer measured it.
         error: the last failure's message, or None.
+        latency_s: commit-to-serving latency: from the trainer's `publish()` of this version
+            until the replica served it or a newer version (None: not measured - it failed, or
+            an older record).
+        served_version: the version it served when first seen at or past this one; above this
+            record's version, a driven replica was synced straight to that newer version (this
+            one was superseded: nothing was applied for it, its pause is 0).
+        following: a follower (`serve --follow`): it syncs itself, the trainer only polls its
+            served version, so `latency_s` is bounded by the poll interval and there is no
+            stage or pause.
     """
 
     name: str
@@ -44,6 +53,9 @@ class ReplicaOutcome:
     pause_s: float = 0.0
     total_s: float = 0.0
     error: str | None = None
+    latency_s: float | None = None
+    served_version: int | None = None
+    following: bool = False
 
     def __post_init__(self) -> None:
         what = f"replicas[{self.name!r}]"
@@ -56,6 +68,24 @@ class ReplicaOutcome:
         if self.error is not None:
             _check(isinstance(self.error, str), f"{what}.error", self.error, "a string or null")
             object.__setattr__(self, "error", self.error[:MAX_ERROR_CHARS])
+        if self.latency_s is not None:
+            object.__setattr__(self, "latency_s", _seconds(self.latency_s, f"{what}.latency_s"))
+        if self.served_version is not None:
+            _check(
+                is_int(self.served_version, minimum=1),
+                f"{what}.served_version",
+                self.served_version,
+                ">= 1",
+            )
+        _check(
+            isinstance(self.following, bool), f"{what}.following", self.following, "true or false"
+        )
+
+    def superseded(self, version: int) -> bool:
+        """Whether this driven replica went straight past `version` (its record's) to a newer
+        one: nothing was applied for `version`, the pause is counted at the newer one's."""
+        served = self.served_version
+        return not self.following and served is not None and served > version
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "name"}
@@ -221,6 +251,7 @@ class SyncRecord:
         return lines
 
 
+_LATENCY_KEYS = ("latency_s", "served_version", "following")
 _TRAINER_KEYS = ("replicas", "sync_s", "step", "reward_mean")
 _PUBLISHER_KEYS = tuple(f.name for f in fields(SyncRecord) if f.name not in _TRAINER_KEYS)
 
@@ -235,7 +266,9 @@ def _parse_replicas(raw: Any) -> tuple[ReplicaOutcome, ...]:
     expected = sorted(f.name for f in fields(ReplicaOutcome) if f.name != "name")
     outcomes = []
     for name, outcome in raw.items():
-        if not keys_exactly(outcome, set(expected)):
+        # records written before latency was measured lack exactly the latency keys
+        old = set(expected) - set(_LATENCY_KEYS)
+        if not (keys_exactly(outcome, set(expected)) or keys_exactly(outcome, old)):
             found = sorted(outcome) if isinstance(outcome, dict) else type(outcome).__name__
             raise FormatError(f"metrics replicas[{name!r}] has keys {found}; expected {expected}")
         outcomes.append(ReplicaOutcome(name=name, **outcome))

@@ -1,4 +1,5 @@
-"""Gradio dashboard for a deltasync bucket: sparsity, payload, sync pauses, reward, chain health.
+"""Gradio dashboard for a deltasync bucket: sparsity, payload, sync pauses, commit-to-serving
+latency, reward, chain health.
 
 Run it (the bucket may be a folder, hf://buckets/NS/NAME or any fsspec URL such as s3://b/p):
 
@@ -33,6 +34,7 @@ from .series import (
     TABLE_COLUMNS,
     files_table,
     health_markdown,
+    latency_series,
     replicas_table,
     reward_series,
     series_json,
@@ -86,6 +88,7 @@ def build_dashboard(bucket: str | Store, config: DashboardConfig | None = None) 
             charts.to_plot(charts.payload_chart(versions)),
             charts.to_plot(charts.timing_chart(timings, from_replicas)),
             charts.to_plot(charts.reward_chart(reward_series(snap))),
+            charts.to_plot(charts.latency_chart(latency_series(snap))),
             files_table(snap, config.table_rows),
         )
         if not config.replicas:
@@ -107,13 +110,15 @@ def build_dashboard(bucket: str | Store, config: DashboardConfig | None = None) 
         with gr.Row():
             timing = gr.Plot(label="sync timings", show_label=False, elem_id="timing-chart")
             reward = gr.Plot(label="reward", show_label=False, elem_id="reward-chart")
+        with gr.Row():
+            latency = gr.Plot(label="latency", show_label=False, elem_id="latency-chart")
         table = gr.Dataframe(
             headers=TABLE_COLUMNS,
             label=f"Latest files (newest {config.table_rows})",
             interactive=False,
             elem_id="files-table",
         )
-        outputs = [status, health, sparsity, payload, timing, reward, table]
+        outputs = [status, health, sparsity, payload, timing, reward, latency, table]
         if config.replicas:
             outputs.append(
                 gr.Dataframe(
@@ -133,7 +138,8 @@ def build_dashboard(bucket: str | Store, config: DashboardConfig | None = None) 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m spaces.dashboard.app",
-        description="Chart a deltasync bucket: sparsity, payload, sync pauses, chain health.",
+        description="Chart a deltasync bucket: sparsity, payload, sync pauses, latency, chain "
+        "health.",
     )
     parser.add_argument(
         "--bucket",

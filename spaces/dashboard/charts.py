@@ -1,4 +1,4 @@
-"""Vega-Lite specs for the four charts, built from plain series rows (no plotting library).
+"""Vega-Lite specs for the five charts, built from plain series rows (no plotting library).
 
 Gradio's `gr.Plot` renders a Vega-Lite spec handed to it as `AltairPlotData`, which gives what
 its native plots lack here: a log scale, layers (anchor marks, the full-model line) and two y
@@ -15,7 +15,14 @@ from typing import Any
 
 from gradio.components.plot import AltairPlotData
 
-__all__ = ["payload_chart", "reward_chart", "sparsity_chart", "timing_chart", "to_plot"]
+__all__ = [
+    "latency_chart",
+    "payload_chart",
+    "reward_chart",
+    "sparsity_chart",
+    "timing_chart",
+    "to_plot",
+]
 
 _HEIGHT = 240
 _PALETTE = ["#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#ff9da6"]
@@ -154,8 +161,19 @@ def timing_chart(rows: list[dict[str, Any]], from_replicas: bool) -> dict[str, A
         if from_replicas
         else "Trainer encode / upload (s): replicas have not reported timings"
     )
+    return _seconds_lines(title, rows, "no metrics records yet")
+
+
+def latency_chart(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Commit-to-serving latency per version, one line per replica."""
+    title = "Commit-to-serving latency per replica (s)"
+    return _seconds_lines(title, rows, "the metrics records carry no latency yet")
+
+
+def _seconds_lines(title: str, rows: list[dict[str, Any]], empty: str) -> dict[str, Any]:
+    """Seconds per version, one line per series; a placeholder saying `empty` without rows."""
     if not rows:
-        return _placeholder(title, "no metrics records yet")
+        return _placeholder(title, empty)
     names = sorted({r["series"] for r in rows})
     return _chart(
         title,

@@ -16,6 +16,7 @@ __all__ = [
     "files_table",
     "health_markdown",
     "human_bytes",
+    "latency_series",
     "plain",
     "replicas_table",
     "reward_series",
@@ -80,6 +81,21 @@ def timing_series(snap: Snapshot) -> tuple[list[dict[str, Any]], bool]:
         for name, s in (("trainer encode", rec.encode_s), ("trainer upload", rec.upload_s)):
             rows.append({"version": rec.version, "series": name, "seconds": s})
     return rows, False
+
+
+def latency_series(snap: Snapshot) -> list[dict[str, Any]]:
+    """Commit-to-serving latency per version, one series per replica (the records' `replicas`
+    `latency_s`); a follower's is named so: it is measured to within the trainer's poll."""
+    return [
+        {
+            "version": rec.version,
+            "series": f"{rep.name} (following)" if rep.following else rep.name,
+            "seconds": rep.latency_s,
+        }
+        for rec in snap.records
+        for rep in rec.replicas
+        if rep.latency_s is not None
+    ]
 
 
 def reward_series(snap: Snapshot) -> list[dict[str, Any]]:
@@ -160,6 +176,7 @@ def series_json(snap: Snapshot) -> dict[str, Any]:
         "timings": timings,
         "timings_from_replicas": from_replicas,
         "reward": reward_series(snap),
+        "latency": latency_series(snap),
         "files": [_file_json(f) for f in snap.files],
         "health": None if h is None else dict(h.__dict__),
     }

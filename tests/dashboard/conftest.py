@@ -61,10 +61,20 @@ class Trainer:
         self, version: int, replicas: dict[str, tuple[float, float]], reward: float | None
     ) -> SyncRecord:
         """Rewrite a version's record as the trainer's weight transfer writes it: replicas'
-        (stage_s, pause_s), the step that produced the version (version - 1), its reward."""
+        (stage_s, pause_s) and latency, the step that produced the version (version - 1), its
+        reward."""
         path = metrics_path(self.publisher.config.run_id, version)
         outcomes = tuple(
-            ReplicaOutcome(name, True, 1, stage, pause, stage + pause + 0.01)
+            ReplicaOutcome(
+                name,
+                True,
+                1,
+                stage,
+                pause,
+                stage + pause + 0.01,
+                latency_s=stage + pause + 0.2,
+                served_version=version,
+            )
             for name, (stage, pause) in replicas.items()
         )
         record = SyncRecord.from_json(self.store.get(path)).with_sync(

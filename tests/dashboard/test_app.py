@@ -22,14 +22,14 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:'future.no_silent_downcasting' is deprecated"),
     pytest.mark.filterwarnings("ignore:The copy keyword is deprecated"),
 ]
-OUTPUTS = ["status", "health", "sparsity", "payload", "timing", "reward", "table"]
+OUTPUTS = ["status", "health", "sparsity", "payload", "timing", "reward", "latency", "table"]
 
 
 def refresh(client: Client) -> dict:
     values = client.predict(api_name="/refresh")
     assert len(values) == len(OUTPUTS)
     out = dict(zip(OUTPUTS, values, strict=True))
-    for name in ("sparsity", "payload", "timing", "reward"):
+    for name in ("sparsity", "payload", "timing", "reward", "latency"):
         assert out[name]["type"] == "altair"
         out[name] = json.loads(out[name]["plot"])
     return out

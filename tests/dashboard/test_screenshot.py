@@ -74,14 +74,15 @@ def test_page_shows_charts_with_data(trainer, launch, tmp_path):
 
     dom = run_browser(["--dump-dom", url], tmp_path / "profile-dom").stdout
     labels = [html.unescape(s) for s in re.findall(r'aria-label="([^"]*)"', dom)]
-    assert dom.count('data-testid="altair"') == 4
+    assert dom.count('data-testid="altair"') == 5
     widths = [int(w) for w in re.findall(r'<svg[^>]*class="marks"[^>]*width="(\d+)"', dom)]
-    assert len(widths) == 4 and min(widths) > 300, widths
+    assert len(widths) == 5 and min(widths) > 300, widths
     assert any(lab.startswith("version: 12; sparsity: ") for lab in labels)
     assert any("titled 'bytes (log scale)' for a log scale" in lab for lab in labels)
     assert any(re.fullmatch(r"version: 5; .*file: anchor; bytes: \d+", lab) for lab in labels)
     assert any(re.fullmatch(r"version: 12; .*file: delta; bytes: \d+", lab) for lab in labels)
     assert any("series: vllm-1 pause" in lab for lab in labels)
+    assert any(re.fullmatch(r"version: 12; seconds: [\d.]+; series: vllm-1", lab) for lab in labels)
     assert any(re.fullmatch(r"step: 11; .*version: 12; reward: [\d.]+", lab) for lab in labels)
     assert "replay cost for a new replica" in dom
     assert "replicas have not reported" not in dom

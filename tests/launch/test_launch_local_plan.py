@@ -32,6 +32,18 @@ def test_plan_wires_the_same_bucket_token_and_model_everywhere(tmp_path):
     assert plan.prepare is not None
 
 
+def test_the_dashboard_is_told_the_replicas_for_its_lag_view(tmp_path):
+    """As on Spaces (`DELTASYNC_REPLICAS`): it polls each replica's open /health, no token."""
+    plan = local_plan(LocalConfig(workdir=tmp_path, replicas=2, vllm_port=9001))
+    dashboard = next(s for s in plan.services if s.name == "dashboard")
+    urls = "http://127.0.0.1:9001,http://127.0.0.1:9011"
+    assert dashboard.env["DELTASYNC_REPLICAS"] == urls
+    assert "DELTASYNC_API_KEY" not in dashboard.env
+    assert plan.replica_urls == dict(zip(["vllm-0", "vllm-1"], urls.split(","), strict=True))
+    argv = plan.trainer.argv
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--vllm-server-url"] == urls.split(",")
+
+
 def test_tool_environments_get_a_longer_context_and_real_models_no_prepare(tmp_path):
     plan = local_plan(LocalConfig(workdir=tmp_path, env="wordle"))
     assert plan.services[0].name == "wordle" and plan.services[0].ready_url.endswith("/health")

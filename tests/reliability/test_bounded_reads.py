@@ -18,6 +18,7 @@ from deltasync.store import LocalStore, RefusedObject, RetryPolicy, open_store
 from deltasync.store import retry as retry_module
 from deltasync.wire.manifest import (
     MANIFEST_PATH,
+    MANIFEST_PROBE_BYTES,
     MAX_MANIFEST_BYTES,
     PartRef,
     fetch_file,
@@ -135,7 +136,11 @@ def test_chain_file_larger_than_its_entry_is_read_only_to_the_limit(
 def test_oversized_manifest_is_not_downloaded(
     store: LocalStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Only the one-round-trip probe is read (`MANIFEST_PROBE_BYTES` + 1), never the whole."""
     (Path(store.root) / MANIFEST_PATH).write_bytes(b" " * (MAX_MANIFEST_BYTES + 1))
-    monkeypatch.setattr(store, "_read", lambda full, end: pytest.fail("manifest was read"))
+    ends: list[int | None] = []
+    read = store._read
+    monkeypatch.setattr(store, "_read", lambda full, end: ends.append(end) or read(full, end))
     with pytest.raises(FormatError, match="exceeds"):
         read_manifest_bytes(store)
+    assert ends == [MANIFEST_PROBE_BYTES + 1]

@@ -107,7 +107,7 @@ def test_mcp_calls_arrive_typed_and_the_server_scores_them(mcp_url):
     session = pickle.loads(pickle.dumps(factory))()  # as TRL's spawned rollout worker builds it
     assert pickle.loads(pickle.dumps(session)).__class__ is type(session)
     ToolEnvironment.calls.clear()
-    assert session.reset(prompt=[], seed=0) == "\n\ntask: Add 2 and 3."
+    assert session.reset(prompt=[], seed=0) == "\n\nAdd 2 and 3."
     tools = _tools(session)
     assert tools["mean"](values=[1, 2.5], digits=1) == "1.8"
     assert tools["shout"](text="hi") == "HI!"
@@ -115,9 +115,9 @@ def test_mcp_calls_arrive_typed_and_the_server_scores_them(mcp_url):
         tools["add"](a=2)  # refused here: nothing is sent
     with pytest.raises(RuntimeError, match="valid integer"):
         tools["add"](a="two", b=3)  # the server's refusal: TRL counts a failed call
-    assert session.get_reward() == 0.0 and not session.done
+    assert session.reward == 0.0 and not session.done  # get_reward() would end the rollout
     assert tools["add"](a=2, b=3) == "5"
-    assert session.get_reward() == 1.0 and session.done
+    assert session.reward == 1.0 and session.done
     assert tools["pick"](color="red") == "The episode is over."
     assert ToolEnvironment.calls == [
         ("mean", {"values": [1, 2.5], "digits": 1}),

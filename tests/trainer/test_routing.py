@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,15 @@ import pytest
 from loopback_upstream import Upstream, call, seen_by
 
 from trainer.auth_proxy import AuthProxy
-from trainer.routing import Liveness, NoReplica, Router, within_staleness
+from trainer.routing import (
+    COMPLETIONS_LINE,
+    Liveness,
+    NoReplica,
+    Router,
+    completions_line,
+    read_completions,
+    within_staleness,
+)
 
 TOKEN = "upstream-token"
 # The stand-ins record every request: no /health probes here (they are tested on their own).
@@ -45,6 +52,31 @@ def _picks(router: Router, n: int, *, generation: bool = True) -> list[str | NoR
             router.started(url)
             router.finished(url, failure=None, generated=generation)
     return out
+
+
+class Rollouts:
+    """TRL's rollout worker in ticks: it keeps `inflight` generations in flight
+    (`max_inflight_tasks`); each tick a replica answers all it holds, unless it is stuck until
+    tick `stuck_until[url]` or answers only every `every[url]` ticks (a slower one)."""
+
+    def __init__(self, router: Router, inflight: int = 8) -> None:
+        self.router, self.inflight, self.tick = router, inflight, 0
+        self.flying: list[str] = []
+
+    def run(self, ticks: int, *, stuck_until: dict | None = None, every: dict | None = None):
+        for _ in range(ticks):
+            while len(self.flying) < self.inflight:
+                url = self.router.pick(generation=True)
+                assert isinstance(url, str), url
+                self.router.started(url)
+                self.flying.append(url)
+            for url in list(self.flying):
+                answers = self.tick >= (stuck_until or {}).get(url, 0)
+                if answers and self.tick % (every or {}).get(url, 1) == 0:
+                    self.flying.remove(url)
+                    self.router.finished(url, failure=None, generated=True)
+            self.tick += 1
+        return self.router.completions()
 
 
 # --- the policy: which replicas are within staleness ---------------------------------------------
@@ -86,6 +118,56 @@ def test_the_least_busy_replica_wins():
     router.finished(A, failure=None)
     router.finished(A, failure=None)
     assert router.pick(generation=True) == A
+
+
+def test_a_stuck_replica_is_not_starved_and_makes_up_its_share_once_it_answers():
+    """B's requests are stuck for 10 ticks (its first sync's prefetch, a busy core): A takes the
+    rest meanwhile and B holds at most `max_skew` more than A; once B answers it is sent more
+    until both have answered about as many (plain least-outstanding left it 120 to 160)."""
+    rollouts = Rollouts(Router([A, B]))
+    stuck = rollouts.run(10, stuck_until={B: 10})
+    assert stuck[B] == 0 and rollouts.flying.count(B) <= 5  # of 8 in flight: A has 3 or more
+    assert stuck[A] >= 3 * 10
+    done = rollouts.run(30)
+    assert abs(done[A] - done[B]) <= 8, done  # one burst of 8 at most
+
+
+def test_a_slower_replica_still_gets_about_its_share():
+    """C answers every other tick (e.g. two engines on one core): it holds up to `max_skew`
+    more requests, so its batches are bigger and it answers about as many as the others
+    (plain least-outstanding gave it 89 to their 150)."""
+    done = Rollouts(Router([A, B, C])).run(60, every={C: 2})
+    mean = sum(done.values()) / 3
+    assert done[C] >= 0.9 * mean and max(done.values()) <= 1.5 * mean, done
+
+
+def test_a_replica_back_from_failing_starts_level():
+    """It does not claim the requests it missed while cooling down: a flapping replica would
+    otherwise draw them all at once."""
+    clock = Clock()
+    router = Router([A, B], cooldown_s=5.0, clock=clock)
+    router.started(A)
+    router.finished(A, failure="answered 503")
+    _picks(router, 10)
+    clock.now += 5.1
+    assert _picks(router, 4) == [A, B, A, B]
+
+
+def test_max_skew_one_is_plain_least_outstanding():
+    rollouts = Rollouts(Router([A, B], max_skew=1))
+    rollouts.run(10, stuck_until={B: 10})
+    assert rollouts.flying.count(B) == 4  # half of the 8 in flight, as before
+    with pytest.raises(ValueError, match="max_skew"):
+        Router([A], max_skew=0)
+
+
+def test_the_completions_line_reads_back():
+    line = completions_line({A: 3, B: 0})
+    assert line == f'rollout routing: completions per replica {{"{A}": 3, "{B}": 0}}'
+    log = f"12:00:01 trainer.auth_proxy: {line}\nlater\n"
+    assert read_completions(log) == {A: 3, B: 0}
+    assert read_completions("nothing here") is None
+    assert read_completions(f"{COMPLETIONS_LINE}{{'{A}': 3}}") is None  # not JSON: older line
 
 
 def test_a_failing_replica_sits_out_its_cooldown_then_is_tried_again(
@@ -253,19 +335,24 @@ def test_concurrent_completions_are_spread_evenly(fleet: list[Upstream]):
     assert sum(counts) == 48 and min(counts) >= 10, counts
 
 
-def test_a_busy_replica_gets_no_more_until_it_answers(fleet: list[Upstream]):
+def test_a_held_replica_gets_at_most_one_more_then_makes_up_its_share(fleet: list[Upstream]):
+    """While fleet[0] holds its requests it takes at most one more than the least busy
+    (`max_skew` 2); once it answers it is sent the most until its answers catch up."""
     slow = fleet[0]
     slow.hold.clear()
-    with _proxy([u.url for u in fleet], TOKEN) as proxy:
-        held = threading.Thread(target=_generate, args=(proxy,), daemon=True)
-        held.start()  # the first request goes to fleet[0], which holds it
-        assert slow.arrived.wait(10)
-        _generate(proxy, 6)
-        assert _counts(fleet) == [1, 3, 3]
+    with _proxy([u.url for u in fleet], TOKEN) as proxy, ThreadPoolExecutor(2) as held:
+        first = held.submit(_generate, proxy)  # fleet[0]'s turn: it holds it
+        _wait_until(lambda: len(slow.seen) == 1, timeout_s=10)
+        _generate(proxy, 2)
+        assert _counts(fleet) == [1, 1, 1]
+        second = held.submit(_generate, proxy)  # it has answered fewest: one more, held too
+        _wait_until(lambda: len(slow.seen) == 2, timeout_s=10)
+        _generate(proxy, 6)  # two in flight there, none elsewhere: the others take them
+        assert _counts(fleet) == [2, 4, 4]
         slow.hold.set()
-        held.join(10)
-        _generate(proxy, 3)
-    assert _counts(fleet) == [2, 4, 4]
+        assert first.result(10)[0][0] == second.result(10)[0][0] == 200
+        _generate(proxy, 6)
+    assert _counts(fleet) == [5, 6, 5]  # it took the first 3, then turns again
 
 
 def test_a_lagging_replica_receives_no_completions(fleet: list[Upstream]):
@@ -280,12 +367,12 @@ def test_a_lagging_replica_receives_no_completions(fleet: list[Upstream]):
         for path in ("/health", "/v1/models", "/server_info"):  # reads go to any replica
             assert call(proxy.url, "GET", path)[0] == 200
         assert _counts(fleet, "GET") == [1, 1, 1]
-        synced.update({"vllm-0": 6, "vllm-2": 5})  # vllm-2 caught up: it generates again
-        _generate(proxy, 3)
-        assert _counts(fleet) == [6, 6, 1]
+        synced.update({"vllm-0": 6, "vllm-2": 5})  # vllm-2 caught up: it generates again,
+        _generate(proxy, 3)  # first of all, making up for the requests it missed
+        assert _counts(fleet) == [5, 5, 3]
         synced.update({"vllm-0": 8, "vllm-1": 6})  # now vllm-1 and vllm-2 fall behind
         _generate(proxy, 4)
-    assert _counts(fleet) == [10, 6, 1]
+    assert _counts(fleet) == [9, 5, 3]
 
 
 def test_a_replica_that_refuses_is_skipped_then_retried(

@@ -100,7 +100,9 @@ def test_followers_are_never_driven_and_serve_every_version(tmp_path, count):
         # reads are per poll interval, not per version: at most one per 50 ms, plus slack
         assert follower.calls["weight_version"] <= elapsed / 0.05 + 5
     assert [r.version for r in transfer.records] == list(range(1, STEPS + 2))
-    assert all(r.replicas == () for r in transfer.records)  # no trainer-side sync outcomes
+    for record in transfer.records:  # no trainer-side sync: outcomes seen by polling only
+        assert all(o.following and o.ok and o.pause_s == 0 for o in record.replicas)
+        assert [o.name for o in record.replicas] == [f"follower-{i}" for i in range(count)]
     assert set(transfer.state.synced) == {f"follower-{i}" for i in range(count)}
 
 
@@ -120,5 +122,9 @@ def test_a_mixed_fleet_drives_one_and_lets_the_other_follow(tmp_path):
     _served_everywhere([follower], model, STEPS + 1)
     follower.close()
     assert driven.applied == list(range(1, STEPS + 2))  # each version once, verified
-    assert all([o.name for o in r.replicas] == ["vllm-0"] for r in transfer.records)
+    for record in transfer.records:
+        assert [(o.name, o.following) for o in record.replicas] == [
+            ("vllm-0", False),
+            ("follower-0", True),
+        ]
     assert set(follower.calls) == {"healthy", "weight_version"}

@@ -28,7 +28,7 @@ def test_a_won_game_through_the_tool(server_url):
     assert "You are Playing Wordle" in intro
     first = env.guess("slate")
     assert "You submitted [slate]" in first and "You are Playing" not in first  # only what is new
-    assert env.get_reward() == 0.0
+    assert env.reward == 0.0  # get_reward() ends the rollout: TRL calls it once, at the end
     env.guess("crane")
     assert env.get_reward() == 1.0 and env.done
     assert env.guess("crane") == "The game is over."

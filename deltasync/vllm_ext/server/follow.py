@@ -5,8 +5,8 @@ only through `ControlPlane.sync_version`, the sync route's own path: the same lo
 push and the follower never interleave), the same staging while serving, the same pause, apply,
 verification and record. Each poll, every `interval_s` (+-`jitter`):
 
-1. reads the manifest's bytes (`read_manifest_bytes`: its size first, never more than the
-   manifest limit); bytes it has already handled end the poll there;
+1. reads the manifest's bytes (`read_manifest_bytes`: one read for a manifest up to 1 MiB,
+   never more than the manifest limit); bytes it has already handled end the poll there;
 2. otherwise asks the workers what they hold and plans with the one chain planner
    (`Manifest.plan`), which also refuses a fork and a manifest behind the served version;
 3. syncs to the manifest's latest version. The staging plans again from the manifest it reads

@@ -79,6 +79,9 @@ def test_json_has_every_key_and_replicas_by_name():
             "pause_s": 0.02,
             "total_s": 0.5,
             "error": None,
+            "latency_s": None,
+            "served_version": None,
+            "following": False,
         },
         "vllm-1": {
             "ok": False,
@@ -87,6 +90,9 @@ def test_json_has_every_key_and_replicas_by_name():
             "pause_s": 0.0,
             "total_s": 3.0,
             "error": "connection refused",
+            "latency_s": None,
+            "served_version": None,
+            "following": False,
         },
     }
     publisher_only = _raw(_record())
