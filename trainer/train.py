@@ -264,19 +264,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{args.num_generations} (whole groups per step)"
         )
     log_file = args.log_file or Path(args.output_dir) / "train.log"
-    with quiet_output(log_file, verbose=args.verbose):
-        try:
-            return _train(args)
-        except Exception as exc:
-            log.exception("training failed")
-            console.error(
-                "error: %s: %s\nlast lines of %s:\n%s",
-                type(exc).__name__,
-                str(exc).splitlines()[0] if str(exc) else "",
-                log_file,
-                last_lines(log_file),
-            )
-            return 1
+    try:
+        with quiet_output(log_file, verbose=args.verbose):
+            try:
+                return _train(args)
+            except Exception as exc:
+                log.exception("training failed")
+                console.error(
+                    "error: %s: %s\nlast lines of %s:\n%s",
+                    type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                    log_file,
+                    last_lines(log_file),
+                )
+                return 1
+    except RolloutsStopped as stop:  # output restored: the line reaches the terminal and log
+        _exit_now(str(stop))
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -373,7 +376,7 @@ def _train(args: argparse.Namespace) -> int:
             if proxy.stop_reason is None:
                 raise
     if proxy.stop_reason is not None:  # a replica died or refused rollouts for good
-        _exit_now(f"error: {proxy.stop_reason}")
+        raise RolloutsStopped(f"error: {proxy.stop_reason}")
     if sharded and not trainer.accelerator.is_main_process:
         publisher.close(timeout=600)  # rank 0's transfer closes its own
     lagging = sorted(transfer.state.lagging)
@@ -391,6 +394,11 @@ def _train(args: argparse.Namespace) -> int:
             console.warning("warning: %s", warning)
         report.save(args.output_dir)
     return 1 if lagging else 0
+
+
+class RolloutsStopped(SystemExit):
+    """Rollouts cannot go on (every replica down, or a request refused for good): the run ends
+    with this one line, without joining threads (`_exit_now`)."""
 
 
 def _exit_now(line: str) -> NoReturn:
