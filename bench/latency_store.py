@@ -3,9 +3,10 @@
 
 For each latency, a publisher writes `--versions` versions of a Qwen3 shape (synthetic steps at
 `--density`) into a folder bucket behind the wrapper; a driven replica syncs each version once
-its publish resolves (as the trainer does) and a follower polls the manifest every `--poll-s` and
-syncs when it changed (as `serve --follow` does: its poll, then a sync that plans from the
-manifest). Each side has its own wrapper, so its calls are counted apart. The next version is
+its publish resolves, told the version's file (as the trainer does: the file is read beside the
+manifest), and a follower polls the manifest every `--poll-s` and syncs when it changed (as
+`serve --follow` does: its poll, then a sync that plans from the bytes the poll read). Each side
+has its own wrapper, so its calls are counted apart. The next version is
 published once both replicas hold the last one, after a random part of a poll interval. Then a
 cold start reads one `--anchor-mb` anchor as one stream and as parallel ranged reads
 (`Store.get_sized`).
@@ -50,7 +51,8 @@ def tally(calls: Sequence[Call]) -> str:
 
 
 class Follower:
-    """A follower's loop: read the manifest every `poll_s`; when it changed, sync."""
+    """A follower's loop, as `serve --follow` runs it: read the manifest every `poll_s`; when
+    it changed, sync from the bytes just read (nothing reads the manifest again)."""
 
     def __init__(self, store: Store, poll_s: float):
         self.store, self.poll_s = store, poll_s
@@ -79,7 +81,7 @@ class Follower:
                     self.idle_polls.append(self.store.calls[mark:])
             else:
                 seen = data
-                for version in self.replica.sync(self.store):
+                for version in self.replica.sync(self.store, manifest=data):
                     self.held_at.setdefault(version, time.monotonic())
                     self.sync_calls.setdefault(version, self.store.calls[mark:])
             self._stop.wait(max(0.0, self.poll_s - (time.monotonic() - started)))
@@ -107,7 +109,8 @@ def run_versions(args: argparse.Namespace, latency_s: float) -> dict[str, Any]:
             marks = [len(s.calls) for s in (pub_store, driven_store)]
             started = time.monotonic()
             record: SyncRecord = publisher.publish(state).result()
-            driven.sync(driven_store, target=record.version)
+            named = record.delta_path or record.anchor_path  # what the trainer tells replicas
+            driven.sync(driven_store, target=record.version, path=named)
             served = time.monotonic()
             version = record.version
             follower.wait_until(lambda: version in follower.held_at)  # noqa: B023

@@ -123,6 +123,7 @@ class _Job:
     diff_s: float
     enqueued_at: float
     uploaded: list[str] = field(default_factory=list)  # removed again if it is not committed
+    settled: threading.Event = field(default_factory=threading.Event)  # worker done with it
 
 
 class Publisher:
@@ -131,7 +132,9 @@ class Publisher:
     `publish` diffs the weights against the last committed snapshot plus the versions still in
     flight (so it must be called from one thread, and the tensors may change once it returns),
     then queues the upload. A background worker encodes, uploads with retries, commits the
-    manifest, advances the snapshot and writes a metrics record. If a version fails for good,
+    manifest, advances the snapshot and writes a metrics record (`write_metrics`); the version's
+    future resolves then, and retention deletes the files the new manifest no longer names
+    afterwards, before the worker takes the next version. If a version fails for good,
     it and every queued version are dropped, their futures fail, the next `publish` call raises
     the `PublishError`, and publishing then restarts from the last committed version.
 
@@ -172,6 +175,7 @@ class Publisher:
         self._replayed: Replica | None = None  # a caller's replay of it (`resume_from`)
         self._sums: dict[str, StateDigest] | None = None  # per tensor, last committed version
         self._pending: list[_Job] = []
+        self._last: _Job | None = None  # the newest version queued
         self._failure: PublishError | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.queue_size)
         self._worker: threading.Thread | None = None
@@ -210,17 +214,21 @@ class Publisher:
             version = (self.committed_version or 0) + len(self._pending) + 1
             job = _Job(version, diff, Future(), time.perf_counter() - started, time.time())
             self._pending.append(job)
+            self._last = job
         self._queue.put(job)
         return job.future
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every queued version is committed or failed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Wait until every queued version is committed (its retention deletes done) or failed.
+
+        Raises:
+            TimeoutError: `timeout` seconds passed first.
+        """
         with self._lock:
-            futures = [j.future for j in self._pending]
-        for future in futures:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            future.exception(timeout=remaining)
+            last = self._last
+        # the worker takes versions in order: once the last is settled, every one is
+        if last is not None and not last.settled.wait(timeout):
+            raise TimeoutError(f"version {last.version} still in flight after {timeout} s")
 
     def close(self, timeout: float | None = None) -> None:
         """Finish queued work, then stop the worker."""
@@ -358,14 +366,27 @@ class Publisher:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
-            if job.future.done():  # dropped because an earlier version failed
-                continue
             try:
-                record = self._process(job)
-            except Exception as exc:
-                self._fail(job, exc)
-            else:
-                job.future.set_result(record)
+                if not job.future.done():  # else dropped because an earlier version failed
+                    self._run_one(job)
+            finally:
+                job.settled.set()
+
+    def _run_one(self, job: _Job) -> None:
+        """One version: processed, its future resolved (replicas may be told at once), then
+        its retention deletes, which only log their failures: the version is committed."""
+        try:
+            record, retired = self._process(job)
+        except Exception as exc:
+            self._fail(job, exc)
+            return
+        job.future.set_result(record)
+        try:
+            self._owner.retire(retired, job.version)
+        except Exception:  # a bug here must not stop the worker, nor touch the committed version
+            log.exception(
+                "retention after version %d failed; its files are left for gc", job.version
+            )
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         if isinstance(exc, Fenced):
@@ -386,9 +407,10 @@ class Publisher:
             if not other.future.done():
                 other.future.set_exception(error)
 
-    def _process(self, job: _Job) -> SyncRecord:
+    def _process(self, job: _Job) -> tuple[SyncRecord, list[str]]:
         """Write this publisher's files of the version, agree with the other ranks (when
-        sharded), commit, then record. Unsharded, the publisher is a group of one."""
+        sharded), commit, then record; returns the record and the files retention retires
+        (rank 0 only). Unsharded, the publisher is a group of one."""
         queued_s = time.time() - job.enqueued_at
         try:
             mine, sums = self._write(job)
@@ -419,10 +441,12 @@ class Publisher:
             self._pending.remove(job)
         self.last_parts = [w.report(rank) for rank, w in enumerate(written)]
         record = _record(self.config, job, written, entries, manifest, queued_s)
-        if self.shards is None or self.shards.rank == 0:
-            uploaded = {p.path for w in written for p in (w.delta, w.anchor) if p}
-            self._after_commit(record, previous, manifest, uploaded)
-        return record
+        if self.shards is not None and self.shards.rank != 0:
+            return record, []
+        if self.config.write_metrics:
+            self._write_record(record)
+        uploaded = {p.path for w in written for p in (w.delta, w.anchor) if p}
+        return record, _retired(previous, manifest, uploaded)
 
     def _write(self, job: _Job) -> tuple[_Written, dict[str, StateDigest]]:
         """Encode and upload this publisher's delta of the version (its rows of it when
@@ -582,28 +606,23 @@ class Publisher:
             manifest = self._manifest.with_version(entries, self.config.policy.keep_anchors)
         return self._owner.commit(manifest, version)
 
-    def _after_commit(
-        self, record: SyncRecord, previous: Manifest | None, manifest: Manifest, uploaded: set[str]
-    ) -> None:
-        """Metrics record (unless the caller writes it), then retention: files the new manifest
-        no longer names are deleted.
+    def _write_record(self, record: SyncRecord) -> None:
+        """The version's metrics record, after its commit; a failure is logged only (the
+        version is committed already)."""
+        try:
+            self.store.put(metrics_path(record.run_id, record.version), record.to_json())
+        except StoreError as exc:
+            log.warning("metrics record for version %d not written: %s", record.version, exc)
 
-        Failures here are logged only: the version is committed already.
-        """
-        if self.config.write_metrics:
-            try:
-                self.store.put(metrics_path(record.run_id, record.version), record.to_json())
-            except StoreError as exc:
-                log.warning("metrics record for version %d not written: %s", record.version, exc)
-        if previous is None or previous.run_id != manifest.run_id:
-            return
-        # Also this version's own delta when retention already drops it (keep_anchors=1 and an
-        # anchor at this version): no manifest ever names it, so nothing else would delete it.
-        for path in sorted((previous.referenced_paths() | uploaded) - manifest.referenced_paths()):
-            try:
-                self.store.delete(path)
-            except StoreError as exc:
-                log.warning("retention could not delete %s: %s", path, exc)
+
+def _retired(previous: Manifest | None, manifest: Manifest, uploaded: set[str]) -> list[str]:
+    """The files retention deletes once `manifest` replaced `previous`: those it no longer
+    names, and this version's own upload when retention already drops it (keep_anchors=1 and
+    an anchor at this version: no manifest ever names it, so nothing else would delete it).
+    Nothing after another run's manifest (its files are `gc`'s)."""
+    if previous is None or previous.run_id != manifest.run_id:
+        return []
+    return sorted((previous.referenced_paths() | uploaded) - manifest.referenced_paths())
 
 
 def _record(

@@ -29,10 +29,11 @@ from deltasync.errors import ChainError, DigestMismatch, FormatError
 from deltasync.kernels.boxes import Boxes, box_change_sums, box_sums
 from deltasync.kernels.changes import WORKERS, TensorChange, bits, gather, scatter
 from deltasync.kernels.state_hash import apply_changes, state_sums
-from deltasync.replica.replay import replay
+from deltasync.replica.driven import plan_sync
+from deltasync.replica.replay import bounded_by, replay
 from deltasync.store import Store
 from deltasync.wire.digests import StateDigest, tensor_digest, total
-from deltasync.wire.manifest import FileData, read_manifest
+from deltasync.wire.manifest import FileData
 
 __all__ = ["DictSink", "Replica", "Sink", "StagedFile", "StagedUpdate"]
 
@@ -521,15 +522,35 @@ class Replica:
         """Stage and commit one file; False when it was a version already held (nothing to do)."""
         return bool(self.commit(self.stage([(data, path)])))
 
-    def sync(self, store: Store, *, target: int | None = None) -> list[int]:
+    def sync(
+        self,
+        store: Store,
+        *,
+        target: int | None = None,
+        path: str | None = None,
+        manifest: bytes | None = None,
+    ) -> list[int]:
         """Catch up with the bucket (bootstrap when empty), all or nothing; returns the versions
-        applied. `target` (default: the latest) may be older than the latest version."""
-        manifest = read_manifest(store)
-        if manifest is None:
-            return []
+        applied. `target` (default: the latest) may be older than the latest version.
+
+        A driven sync names the file it was told of (`path`, which must be the manifest's for
+        `target`): the next delta is then read beside the manifest, one round trip in all. A
+        follower passes the `manifest` bytes its poll read, which are not read again
+        (`replica.driven`)."""
         held = self.state_digest
-        plan = manifest.plan(self.run_id, self.version, target, digest=held and held.hex())
-        return replay(store, plan, self, streaming=False)
+        planned = plan_sync(
+            store,
+            (self.run_id, self.version),
+            target,
+            digest=held and held.hex(),
+            shapes=self.sink.shapes(),
+            path=path,
+            manifest=manifest,
+        )
+        if planned is None:
+            return []
+        fetch = planned.fetch(bounded_by(self))
+        return replay(store, planned.entries, self, streaming=False, fetch=fetch)
 
     def digests(self) -> dict[str, str]:
         return {name: tensor_digest(t) for name, t in self.sink.tensors().items()}

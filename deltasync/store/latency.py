@@ -29,13 +29,14 @@ _TARGETS = {"anchors": "anchor", "deltas": "delta", "metrics": "metrics"}
 
 @dataclass(frozen=True)
 class Call:
-    """One store call: its kind (`get`, `get_range`, `put`, ...), path, bytes moved and when it
-    ended (`time.monotonic`)."""
+    """One store call: its kind (`get`, `get_range`, `put`, ...), path, bytes moved, when it
+    ended and when it started (`time.monotonic`; calls made at once overlap)."""
 
     kind: str
     path: str
     bytes: int
     at: float
+    started: float = float("nan")
 
     @property
     def target(self) -> str:
@@ -67,7 +68,7 @@ class LatencyStore(Store):
 
     def _timed(self, kind: str, path: str, sent: int, fn: Callable[[], T]) -> T:
         """Run one call of `inner`, then wait out its round trip and transfer, and record it."""
-        received = 0
+        received, started = 0, time.monotonic()
         try:
             result = fn()
             received = len(result) if isinstance(result, bytes) else 0
@@ -77,7 +78,7 @@ class LatencyStore(Store):
             transfer = moved / self.bandwidth if self.bandwidth else 0.0
             time.sleep(self.latency_s + transfer)
             with self._lock:
-                self.calls.append(Call(kind, path, moved, time.monotonic()))
+                self.calls.append(Call(kind, path, moved, time.monotonic(), started))
 
     def get(self, path: str, *, limit: int | None = None) -> bytes:
         return self._timed("get", path, 0, lambda: self.inner.get(path, limit=limit))

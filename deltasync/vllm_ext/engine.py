@@ -3,8 +3,10 @@
 Registered with `WeightTransferEngineFactory` when `deltasync.vllm_ext.worker` is imported. Life
 of one version, driven by the sync route (`control.ControlPlane.sync`, in the API server process):
 
-1. `stage(version, path)` starts a background download, decode and digest check (and on CPU the
-   packing of touched modules) while the model serves; the route waits until it settled;
+1. `stage(version, path, manifest)` starts a background download, decode and digest check (and on
+   CPU the packing of touched modules) while the model serves; the route waits until it settled.
+   A named `path` that is the next delta is read beside the manifest (one round trip); a
+   follower's `manifest` bytes are planned from without reading them again;
 2. inside the route's pause, `update_weights({"version": v})` takes that staging (or stages now)
    and commits it; the route then records the version this engine reports holding.
 
@@ -34,6 +36,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from deltasync.codec.virtual import SourcePolicy
 from deltasync.errors import DeltaSyncError, DigestMismatch, FormatError
 from deltasync.kernels.boxes import Boxes, check_cover
+from deltasync.replica.driven import plan_sync
 from deltasync.replica.ranged import fetch_boxes
 from deltasync.replica.replay import fetch_all
 from deltasync.replica.replica import Replica, Shapes, StagedUpdate
@@ -44,7 +47,7 @@ from deltasync.vllm_ext.apply.shadow import ShadowSink, vllm_reloader
 from deltasync.vllm_ext.apply.swap import CpuGemmSwapper
 from deltasync.vllm_ext.server.protocol import InitInfo, UpdateInfo, parse_message
 from deltasync.wire.digests import StateDigest, total
-from deltasync.wire.manifest import ChainEntry, fetch_entry, read_manifest
+from deltasync.wire.manifest import ChainEntry, fetch_entry
 
 __all__ = ["MAX_STAGED", "DeltaSyncEngine"]
 
@@ -155,8 +158,14 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
     # -- staging (while serving) ----------------------------------------------------------------
 
-    def stage(self, version: int, path: str | None = None) -> dict[str, Any]:
+    def stage(
+        self, version: int, path: str | None = None, manifest: bytes | None = None
+    ) -> dict[str, Any]:
         """Start fetching, decoding and validating `version` in the background (idempotent).
+
+        `path` (the file the trainer named) is read beside the manifest when it is the next
+        delta; `manifest` (bytes a follower's poll read) is planned from instead of reading the
+        manifest again (`replica.driven.plan_sync`, which checks both as always).
 
         A slot that failed, was cancelled, or was staged from a state this replica no longer
         holds is submitted again, so an error is never replayed; `_evict` drops stale slots."""
@@ -167,7 +176,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             if future is None or not _usable(future, (state.run_id, state.version)):
                 self._staging.pop(version, None)  # a new slot goes last (the newest)
                 self._staging[version] = self._pool.submit(
-                    self._stage_now, store, state, version, path
+                    self._stage_now, store, state, version, path, manifest
                 )
         return self.status()
 
@@ -184,24 +193,25 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 self._draining.append(future)
         self._draining = [f for f in self._draining if not f.done()]
 
-    def _stage_now(self, store: Store, state: Replica, target: int, path: str | None) -> _Staged:
+    def _stage_now(
+        self, store: Store, state: Replica, target: int, path: str | None, manifest: bytes | None
+    ) -> _Staged:
         started = time.perf_counter()
         base = (state.run_id, state.version)
-        manifest = read_manifest(store)
-        if manifest is None:
-            raise FormatError(f"bucket {store.url} has no manifest yet")
-        if path is not None:
-            listed = [e for e in (*manifest.anchors, *manifest.deltas) if e.version == target]
-            if path not in {f.path for e in listed for f in e.files}:
-                raise FormatError(f"the manifest has no file {path!r} for version {target}")
-        held = state.state_digest
-        entries = manifest.plan(*base, target, digest=held and held.hex())
         # the (whole) shapes held bound the sizes the manifest may declare, before any read
         shapes = state.sink.shapes()
+        held = state.state_digest
+        digest = held and held.hex()
+        planned = plan_sync(
+            store, base, target, digest=digest, shapes=shapes, path=path, manifest=manifest
+        )
+        if planned is None:
+            raise FormatError(f"bucket {store.url} has no manifest yet")
         fetch = functools.partial(fetch_entry, shapes=shapes)
         if self.tp_size > 1:  # anchors: only the bytes of this worker's boxes
             fetch = functools.partial(fetch_boxes, boxes_of=state.sink.boxes, shapes=shapes)
-        update = state.stage(fetch_all(store, entries, fetch))
+        entries = planned.entries
+        update = state.stage(fetch_all(store, entries, planned.fetch(fetch)))
         size = sum(e.bytes for e in entries)
         return _Staged(base, target, entries, size, update, time.perf_counter() - started)
 
@@ -218,7 +228,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             else:
                 if staged.base == (state.run_id, state.version):
                     return staged
-        return self._stage_now(store, state, info.version, info.path)
+        return self._stage_now(store, state, info.version, info.path, None)
 
     def _settled_take(self, info: UpdateInfo) -> _Staged:
         """`_take` once no background work reads the state any more (it is about to change)."""

@@ -40,7 +40,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from deltasync.errors import DeltaSyncError
 from deltasync.vllm_ext import BACKEND
 from deltasync.vllm_ext.engine import DeltaSyncEngine
-from deltasync.vllm_ext.server.protocol import stage_args
+from deltasync.vllm_ext.server.protocol import stage_args, stage_manifest
 
 __all__ = ["DeltaSyncWorkerExtension", "register"]
 
@@ -121,10 +121,14 @@ class DeltaSyncWorkerExtension:
             )
         return engine
 
-    def deltasync_stage(self, version: str, path: str = "") -> dict[str, Any]:
+    def deltasync_stage(
+        self, version: str, path: str = "", manifest: bytes | None = None
+    ) -> dict[str, Any]:
         """Fetch, decode and validate `version` in the background while serving (arguments are
-        checked before any staging slot is touched)."""
-        return self._deltasync_engine().stage(*stage_args(version, path))
+        checked before any staging slot is touched). `manifest`: the bytes a follower's poll
+        read, planned from instead of reading the manifest again (passed in process only)."""
+        engine = self._deltasync_engine()
+        return engine.stage(*stage_args(version, path), stage_manifest(manifest))
 
     def deltasync_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
         """Point the backend at a bucket, or `{"refused": why}` when it already follows another

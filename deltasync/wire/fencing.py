@@ -5,7 +5,9 @@ bucket that already holds its run is refused unless it takes the run over; a tak
 same manifest again under the next epoch, so the previous owner's next commit - a swap expecting
 the manifest it wrote last - fails (`Fenced`). The swap is strict on folders and S3 and best
 effort on stores without conditional writes (Hub buckets), where readers still see a fork through
-the full-state digests (`Manifest.plan(digest=)`).
+the full-state digests (`Manifest.plan(digest=)`). An owner deletes files (retention, a
+takeover's leftovers, a failed attempt's uploads) only while the bucket's manifest is the one it
+wrote, or a failed attempt's once a newer owner committed that version itself.
 """
 
 from __future__ import annotations
@@ -110,6 +112,36 @@ class RunOwner:
                     self.store.delete(path)
                 except StoreError as exc:
                     log.warning("could not remove %s of a failed version: %s", path, exc)
+
+    def retire(self, paths: Sequence[str], version: int) -> None:
+        """Retention after version `version` committed: delete `paths`, files its manifest no
+        longer names, while the bucket's manifest is still the one this owner wrote. The
+        publisher runs it after the version's future resolved, so a newer owner (a takeover,
+        or on a store without conditional writes a racing publisher whose manifest may still
+        name them) can hold the bucket by then: its files are then left to it and to `gc`.
+        Failures are logged, never raised: the version is committed."""
+        if not paths:
+            return
+        try:
+            ours = read_manifest_bytes(self.store) == self._expected
+        except (StoreError, FormatError) as exc:
+            log.warning(
+                "retention after version %d left %d files for gc: %s", version, len(paths), exc
+            )
+            return
+        if not ours:
+            log.warning(
+                "retention after version %d left %d files for gc: another publisher holds the "
+                "bucket's manifest now",
+                version,
+                len(paths),
+            )
+            return
+        for path in paths:
+            try:
+                self.store.delete(path)
+            except StoreError as exc:
+                log.warning("retention could not delete %s: %s", path, exc)
 
     def _refusal(self, manifest: Manifest) -> str:
         age = max(0.0, time.time() - manifest.updated_at)

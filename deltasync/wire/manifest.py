@@ -24,9 +24,11 @@ __all__ = [
     "Manifest",
     "PartRef",
     "check_declared_size",
+    "check_file",
     "fetch_entry",
     "fetch_file",
     "file_path",
+    "largest_file",
     "metrics_path",
     "read_manifest",
     "read_manifest_bytes",
@@ -462,7 +464,7 @@ def read_manifest_bytes(store: Store) -> bytes | None:
         return None
 
 
-def _largest_file(kind: str, shapes: Mapping[str, tuple[int, ...]]) -> int:
+def largest_file(kind: str, shapes: Mapping[str, tuple[int, ...]]) -> int:
     """The most bytes one file of `kind` can hold for a model of `shapes`: an anchor stores each
     element once in bf16 (2 B); a delta at most every element changed, at `coo`'s 6 B each
     (int32 index and bf16 value; `packed` and `ans` take less); plus the largest header."""
@@ -475,7 +477,7 @@ def check_declared_size(
 ) -> None:
     """Refuse, before any read, a file declared larger than `entry`'s kind can be for the
     reader's model (`shapes`; None: a reader that does not know its model yet)."""
-    if shapes and file.bytes > (limit := _largest_file(entry.kind, shapes)):
+    if shapes and file.bytes > (limit := largest_file(entry.kind, shapes)):
         raise FormatError(
             f"the manifest declares {file.bytes} bytes, more than a {entry.kind} of this model "
             f"can hold ({limit}); not downloaded",
@@ -505,6 +507,14 @@ def fetch_file(store: Store, file: PartRef, *, tensors: int | None = None) -> by
         data = store.get_sized(file.path, file.bytes)
     except RefusedObject as exc:
         raise FormatError(f"file does not match the manifest: {exc}", path=file.path) from None
+    return check_file(file, data, tensors=tensors)
+
+
+def check_file(file: PartRef, data: bytes, *, tensors: int | None = None) -> bytes:
+    """`data` if it is `file` as the manifest describes it: its size, its whole-file xxh3-128,
+    then a header (bounded by `tensors`, the reader's tensor count) that promises the
+    manifest's full-state digest. The one check of a file's bytes, however they were read
+    (`fetch_file`, or a driven sync's read begun before the manifest's, `replica.driven`)."""
     if len(data) != file.bytes or bytes_digest(data) != file.digest:
         raise FormatError(
             f"file does not match the manifest ({len(data)} bytes, expected "

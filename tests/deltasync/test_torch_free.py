@@ -50,6 +50,7 @@ TORCH_FREE_MODULES = (
     "deltasync",
     "deltasync.codec",
     "deltasync.replica.replay",
+    "deltasync.replica.driven",  # planning a sync: manifest, read ahead
     "deltasync.tools.cli",  # `inspect`
     "deltasync.vllm_ext.server.serve",  # the serve parent
     "deltasync.vllm_ext.serve",

@@ -18,7 +18,8 @@ A pause ends by itself: a watchdog resumes generation once `pause_deadline_s` ha
 line); a sync whose deadline passed before its apply began gives up without applying (503).
 
 A server started with `serve --follow` also runs a `follow.Follower` here, which syncs through
-`sync_version` like the route does: one lock, one apply path, one pause. A sync to the version
+`sync_version` like the route does: one lock, one apply path, one pause (its staging plans from
+the manifest bytes the poll read, which the workers do not read again). A sync to the version
 the workers already hold (of the bucket's run, with the bucket's digest) is a no-op success, so a
 trainer's push that arrives after the follower applied its version changes nothing.
 """
@@ -156,20 +157,24 @@ class ControlPlane:
         return await self.sync_version(engine, _parse(SyncRequest, body, "sync request"))
 
     async def sync_version(
-        self, engine: Any, request: SyncRequest, *, by: str = "push"
+        self, engine: Any, request: SyncRequest, *, by: str = "push", manifest: bytes | None = None
     ) -> dict[str, Any]:
         """The sync route's work, for the route (`by` "push") and the follower ("follow"):
-        under the one lock, so two syncs never interleave."""
+        under the one lock, so two syncs never interleave. `manifest`: the bytes the follower's
+        poll read, which the workers stage from instead of reading the manifest again (never
+        from a request: the route has no such field)."""
         async with self._held():
-            answer = await self._sync(engine, request, by)
+            answer = await self._sync(engine, request, by, manifest)
             if isinstance(answer.get("version"), int):
                 self.served = (answer["version"], answer["pause_s"])
             return answer
 
-    async def _sync(self, engine: Any, request: SyncRequest, by: str) -> dict[str, Any]:
+    async def _sync(
+        self, engine: Any, request: SyncRequest, by: str, manifest: bytes | None
+    ) -> dict[str, Any]:
         started = time.monotonic()
         version = request.version
-        args = {"version": str(version), "path": request.path or ""}
+        args: dict[str, Any] = {"version": str(version), "path": request.path or ""}
         before = await engine.get_weight_version()
         held = await self.worker_status(engine)
         if held["bucket"] is None:
@@ -181,7 +186,7 @@ class ControlPlane:
         if served and await self._bucket_leads_nowhere(held, version):
             log.info("deltasync: version %d already served (%s sync: no-op)", version, by)
             return _answer(held, before)
-        await self._settle(engine, version, args)
+        await self._settle(engine, version, args | ({"manifest": manifest} if manifest else {}))
         stage_s = time.monotonic() - started
         pause = await self._pause(engine, version)
         try:
@@ -222,7 +227,7 @@ class ControlPlane:
         except (DeltaSyncError, TimeoutError):
             return False
 
-    async def _settle(self, engine: Any, version: int, args: dict[str, str]) -> None:
+    async def _settle(self, engine: Any, version: int, args: dict[str, Any]) -> None:
         """Stage `version` and wait, serving, until it is ready and no other staging runs (an
         update would wait for those inside the pause). A failed staging is an error before any
         pause; a slot that other staging calls evicted meanwhile is submitted again (3 times).
@@ -256,7 +261,7 @@ class ControlPlane:
             status = _merged(await self._call(engine, method, kwargs))
 
     async def _apply(
-        self, engine: Any, version: int, args: dict[str, str], before: str
+        self, engine: Any, version: int, args: dict[str, Any], before: str
     ) -> dict[str, Any]:
         """`deltasync_apply` on every worker; the status they agree on, at `version`."""
         results = await self._call(engine, "deltasync_apply", args)

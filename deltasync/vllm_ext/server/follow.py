@@ -9,10 +9,11 @@ verification and record. Each poll, every `interval_s` (+-`jitter`):
    never more than the manifest limit); bytes it has already handled end the poll there;
 2. otherwise asks the workers what they hold and plans with the one chain planner
    (`Manifest.plan`), which also refuses a fork and a manifest behind the served version;
-3. syncs to the manifest's latest version. The staging plans again from the manifest it reads
-   then (the latest anchor or the deltas, whichever is cheaper), so a replica that fell behind
-   replays through an anchor, and a file that retention deleted mid-download fails this sync
-   and is planned around at the next poll.
+3. syncs to the manifest's latest version, handing the workers the bytes it read: their
+   staging parses and checks them as if it had read them and plans from them (the latest
+   anchor or the deltas, whichever is cheaper), so a version costs one manifest read and its
+   files. A replica that fell behind replays through an anchor, and a file that retention
+   deleted mid-download fails this sync and is planned around at the next poll.
 
 It never goes backwards: a manifest behind the served version, a fork, an older run or a version
 the replica refuses (409) is logged once and ignored until the manifest changes (looked at again
@@ -188,10 +189,10 @@ class Follower:
         except FormatError as exc:
             raise _Failed("unreadable manifest", f"the manifest is unusable: {exc}") from None
         self.bucket_version = manifest.latest_version
-        await self._follow(engine, manifest, held, key)
+        await self._follow(engine, manifest, data, held, key)
 
     async def _follow(
-        self, engine: Any, manifest: Manifest, held: dict[str, Any], key: str | None
+        self, engine: Any, manifest: Manifest, data: bytes, held: dict[str, Any], key: str | None
     ) -> None:
         """Sync to the manifest's latest version unless it is not ahead of what is served."""
         run, version = held["run_id"], held["version"]
@@ -221,15 +222,18 @@ class Follower:
                 f": replaying from the anchor at version {route[0].version} "
                 f"(+{len(route) - 1} deltas), the cheaper route",
             )
-        await self._sync(engine, manifest, version, key)
+        await self._sync(engine, manifest, data, version, key)
 
     async def _sync(
-        self, engine: Any, manifest: Manifest, version: int | None, key: str | None
+        self, engine: Any, manifest: Manifest, data: bytes, version: int | None, key: str | None
     ) -> None:
+        """Sync to `manifest` (read as `data`) through the control plane's path; the workers
+        stage from `data` instead of reading the manifest again."""
         target = manifest.latest_version
         self.status = "syncing"
+        request = SyncRequest(target)
         try:
-            answer = await self.control.sync_version(engine, SyncRequest(target), by="follow")
+            answer = await self.control.sync_version(engine, request, by="follow", manifest=data)
         except ControlError as exc:
             if exc.status in (409, 422):  # this replica cannot take that version as it stands
                 return self._ignore(key, "refused", f"version {target} was refused: {exc}")

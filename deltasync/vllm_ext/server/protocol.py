@@ -14,6 +14,7 @@ from deltasync import defaults
 from deltasync.errors import FormatError, StoreError
 from deltasync.store import validate_path
 from deltasync.wire.fields import is_int
+from deltasync.wire.manifest import MAX_MANIFEST_BYTES
 
 __all__ = [
     "InitInfo",
@@ -23,6 +24,7 @@ __all__ = [
     "parse_message",
     "parse_version",
     "stage_args",
+    "stage_manifest",
 ]
 
 MAX_VERSION = 2**63 - 1  # versions travel as int64 in file metadata
@@ -68,6 +70,19 @@ def stage_args(version: object, path: object = "") -> tuple[int, str | None]:
     if not isinstance(path, str):
         raise FormatError(f"path must be a string, got {type(path).__name__}")
     return number, (_bucket_path(path, "path") if path else None)
+
+
+def stage_manifest(manifest: object) -> bytes | None:
+    """`deltasync_stage`'s `manifest`: the manifest bytes a follower's poll read (in process
+    only: `control.ControlPlane.rpc` refuses the key over HTTP), at most `MAX_MANIFEST_BYTES`,
+    or None (the engine reads the manifest itself)."""
+    if manifest is None:
+        return None
+    if not isinstance(manifest, bytes):
+        raise FormatError(f"manifest must be bytes, got {type(manifest).__name__}")
+    if len(manifest) > MAX_MANIFEST_BYTES:
+        raise FormatError(f"manifest of {len(manifest)} bytes exceeds {MAX_MANIFEST_BYTES}")
+    return manifest
 
 
 @dataclass(frozen=True)
@@ -117,7 +132,8 @@ class UpdateInfo:
         version: the version to serve once the update finishes; the replica reaches it from
             the staged file, or by replaying the bucket's chain when it is further behind.
         path: the file the trainer notified (optional); it must be the manifest's file for
-            `version`.
+            `version`. When it is the delta after the version held, staging reads it beside
+            the manifest (one round trip; `replica.driven`).
     """
 
     version: int

@@ -198,3 +198,104 @@ def test_versions_queued_behind_a_failure_are_dropped_not_misapplied(tmp_path):
     replica = Replica()
     replica.sync(store)
     assert replica.version == 2 and _equal(replica, model)
+
+
+# -- retention, after the version is handed back -------------------------------------------------
+
+RETIRE_EVERY_VERSION = AnchorPolicy(interval=1, max_delta_fraction=None, keep_anchors=1)
+
+
+def _steps(count: int) -> list[dict[str, torch.Tensor]]:
+    """`count` versions of a small model, each a few elements on from the one before."""
+    generator = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(64, 64, generator=generator).to(torch.bfloat16)}
+    out = []
+    for step in range(count):
+        state["w"][step, :3] += 1
+        out.append({n: t.clone() for n, t in state.items()})
+    return out
+
+
+class RetentionStore(LocalStore):
+    """A folder whose deletes wait for `gate`, then fail when `fail` is set; `deleted` lists
+    what it deleted. `before_manifest_read` runs once, before the next read of the manifest."""
+
+    def __init__(self, folder):
+        super().__init__(folder)
+        self.gate = threading.Event()
+        self.fail = False
+        self.deleted: list[str] = []
+        self.before_manifest_read = None
+
+    def delete(self, path):
+        assert self.gate.wait(30)
+        if self.fail:
+            raise StoreError("injected delete failure", path=path)
+        self.deleted.append(path)
+        super().delete(path)
+
+    def get(self, path, *, limit=None):
+        hook, self.before_manifest_read = self.before_manifest_read, None
+        if path == MANIFEST_PATH and hook is not None:
+            hook()
+        return super().get(path, limit=limit)
+
+
+def test_retention_deletes_run_after_the_future_resolves(tmp_path):
+    """The version's future resolves (a trainer tells its replicas) while retention's deletes
+    still wait; they run before the next version's work, and `flush` waits for them."""
+    store = RetentionStore(tmp_path)
+    states = _steps(3)
+    with Publisher(store, _config(policy=RETIRE_EVERY_VERSION)) as publisher:
+        first = publisher.publish(states[0]).result(timeout=30)
+        record = publisher.publish(states[1]).result(timeout=30)  # deletes are blocked
+        assert store.deleted == [] and read_manifest(store).latest_version == 2
+        replica = Replica()
+        assert replica.sync(store, target=2, path=record.anchor_path) == [2]
+        with pytest.raises(TimeoutError):
+            publisher.flush(timeout=0.2)
+        later = publisher.publish(states[2])
+        store.gate.set()
+        publisher.flush(timeout=30)
+        assert later.result(timeout=0).version == 3
+    # version 2 retired version 1's anchor and its own delta (keep_anchors=1), before version 3
+    assert store.deleted[:2] == sorted([first.anchor_path, record.delta_path])
+    files = {p for p in store.list("runs") if "/metrics/" not in p}
+    assert files == read_manifest(store).referenced_paths()
+
+
+def test_a_failed_retention_delete_is_logged_and_the_version_stays_committed(tmp_path, caplog):
+    store = RetentionStore(tmp_path)
+    store.gate.set()
+    store.fail = True
+    publisher = Publisher(store, _config(policy=RETIRE_EVERY_VERSION))
+    with caplog.at_level("WARNING", logger="deltasync"), publisher:
+        records = [publisher.publish(state).result(timeout=30) for state in _steps(3)]
+    assert [r.version for r in records] == [1, 2, 3]
+    assert read_manifest(store).latest_version == 3
+    warnings = [r.getMessage() for r in caplog.records if "retention could not" in r.getMessage()]
+    assert any(records[0].anchor_path in w and "injected" in w for w in warnings)
+    assert store.exists(records[0].anchor_path)  # left for gc
+    assert Replica().sync(store) == [3]
+
+
+def test_retention_leaves_the_files_to_an_owner_that_took_the_run_over(tmp_path, caplog):
+    """Between a commit and its retention another publisher took the run over: the fenced one
+    deletes nothing (the new owner's takeover removed what its manifest does not name)."""
+    store = RetentionStore(tmp_path)
+    store.gate.set()
+    states = _steps(3)
+    publisher = Publisher(store, _config(policy=RETIRE_EVERY_VERSION))
+    publisher.publish(states[0]).result(timeout=30)
+    newer = Publisher(LocalStore(tmp_path), _config(policy=RETIRE_EVERY_VERSION, takeover=True))
+    store.before_manifest_read = newer.claim  # retention's check finds the new owner's manifest
+    with caplog.at_level("WARNING", logger="deltasync"):
+        assert publisher.publish(states[1]).result(timeout=30).version == 2
+        publisher.flush(timeout=30)
+    assert store.before_manifest_read is None and store.deleted == []
+    assert any("another publisher holds" in r.getMessage() for r in caplog.records)
+    files = {p for p in store.list("runs") if "/metrics/" not in p}
+    assert files == read_manifest(store).referenced_paths()
+    with pytest.raises(PublishError):  # fenced at its next commit
+        publisher.publish(states[2]).result(timeout=30)
+    publisher.close(timeout=30)

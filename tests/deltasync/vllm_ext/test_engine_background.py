@@ -1,5 +1,6 @@
 """The engine's digest share runs off the worker's busy loop, and vLLM's sleep tells the engine
-whether the weights survive (issue 30, findings 7 and 8).
+whether the weights survive (issue 30, findings 7 and 8); its staging reads a named delta beside
+the manifest and plans a follower's version from the bytes its poll read (issue 31).
 
 The engine is the one a worker builds (vLLM's own `VllmConfig`), its sink the in-place GPU sink
 over a stand-in of vLLM's Qwen3 parameters, fed from a real bucket. The sleep goes through
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -23,10 +25,11 @@ from bench.families import build_family
 from bench.vllm_standin import StandInQwen3, standin_layout
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.store import open_store
+from deltasync.store.latency import LatencyStore
 from deltasync.vllm_ext.apply.device import InPlaceSink
 from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
 from deltasync.vllm_ext.server.control import ControlConfig, ControlError, ControlPlane
-from deltasync.wire.manifest import read_manifest
+from deltasync.wire.manifest import MANIFEST_PATH, read_manifest
 from deltasync.wire.policy import AnchorPolicy
 from trainer.tiny_model import tiny_qwen3_config
 
@@ -154,6 +157,42 @@ def test_an_update_waits_for_the_share_pass_then_the_share_follows_the_version(s
     answer = _share_when_done(engine)
     assert answer["version"] == info["version"]
     assert answer["share"] == _promised(store, info["version"])
+
+
+# -- staging: one manifest read, beside the named delta or none at all ---------------------------
+
+
+def _kinds(calls) -> Counter:
+    return Counter(f"{c.target}.{c.kind}" for c in calls)
+
+
+def test_a_named_delta_is_staged_beside_the_manifest_read(served):
+    engine, store, records = served
+    engine.store = LatencyStore(store, latency_s=0.1, bandwidth=None)
+    path = records[1].delta_path
+    engine.stage(records[1].version, path)
+    engine.settle()
+    calls = engine.store.calls
+    assert _kinds(calls) == {"manifest.get": 1, "delta.get": 1}
+    manifest, delta = (next(c for c in calls if c.target == t) for t in ("manifest", "delta"))
+    assert delta.started < manifest.at  # read at once: one round trip
+    engine.update_weights({"version": records[1].version, "path": path})  # takes that staging
+    assert engine.state.version == records[1].version and len(calls) == 2
+    assert engine.status()["state_digest"] == _promised(store, records[1].version)
+
+
+def test_a_followers_manifest_bytes_are_staged_from_not_read_again(served):
+    engine, store, records = served
+    engine.store = LatencyStore(store, latency_s=0, bandwidth=None)
+    version = records[2].version
+    engine.stage(version, None, b'{"protocol": "deltasync/5"}')  # checked as a read would be
+    engine.settle()
+    assert engine.status()["staging"][str(version)].startswith("failed: FormatError")
+    engine.stage(version, None, store.get(MANIFEST_PATH))
+    engine.settle()
+    engine.update_weights({"version": version})
+    assert engine.state.version == version
+    assert _kinds(engine.store.calls) == {"delta.get": 2}  # deltas 2 and 3; no manifest read
 
 
 # -- the client polls; the control plane lets `start` through --------------------------------

@@ -16,7 +16,7 @@ from standin_engine import StandInEngine
 
 from deltasync.store import open_store
 from deltasync.vllm_ext.server.auth import BearerAuthMiddleware
-from deltasync.vllm_ext.server.control import ControlConfig, ControlPlane
+from deltasync.vllm_ext.server.control import ControlConfig, ControlError, ControlPlane
 from deltasync.vllm_ext.server.follow import FollowConfig, Follower
 from deltasync.wire.manifest import MANIFEST_PATH, ChainEntry, Manifest, file_path
 
@@ -62,6 +62,7 @@ class Engine(StandInEngine):
         self.calls: list[str] = []
         self.staging: dict[str, str] = {}
         self.stage_error: str | None = None
+        self.rpc_kwargs: list[tuple[str, dict]] = []  # staging and apply calls, with kwargs
 
     async def __call__(self, scope, receive, send):  # vLLM's own app: /health, lifespan
         if scope["type"] == "lifespan":
@@ -96,6 +97,8 @@ class Engine(StandInEngine):
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.calls.append(method)
         kwargs = kwargs or {}
+        if method in ("deltasync_stage", "deltasync_apply"):
+            self.rpc_kwargs.append((method, dict(kwargs)))
         if method == "deltasync_stage":
             error = self.stage_error
             self.staging[kwargs["version"]] = f"failed: {error}" if error else "ready"
@@ -168,6 +171,24 @@ def test_a_new_version_is_synced_through_the_control_planes_path(tmp_path):
     s.publish(manifest("r", 7))
     s.poll()
     assert s.syncs() == ["record 7"]
+
+
+def test_the_workers_stage_from_the_manifest_bytes_the_poll_read(tmp_path):
+    """One manifest read per version: the poll's bytes go to the workers' staging (in
+    process), which plans from them instead of reading the manifest again."""
+    s = Setup(tmp_path)
+    s.publish(manifest("r", 5))
+    polled = s.store.get(MANIFEST_PATH)
+    s.poll()
+    assert s.syncs() == ["record 5"]
+    assert s.engine.rpc_kwargs == [
+        ("deltasync_stage", {"version": "5", "path": "", "manifest": polled}),
+        ("deltasync_apply", {"version": "5", "path": ""}),  # takes that staging
+    ]
+    body = {"method": "deltasync_stage", "kwargs": {"version": "6", "manifest": "{}"}}
+    with pytest.raises(ControlError) as refused:  # never from a request
+        asyncio.run(s.control.rpc(s.engine, body))
+    assert refused.value.status == 422 and "manifest" in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,9 @@ from deltasync.vllm_ext.server.protocol import (
     parse_message,
     parse_version,
     stage_args,
+    stage_manifest,
 )
+from deltasync.wire.manifest import MAX_MANIFEST_BYTES
 
 
 def test_messages_are_validated():
@@ -66,6 +68,16 @@ def test_stage_arguments_are_strings():
             stage_args(version, path)
     with pytest.raises(FormatError, match="at most 1024"):
         stage_args("7", "a" * 100_000)
+
+
+def test_a_followers_manifest_is_bytes_within_the_manifest_limit():
+    assert stage_manifest(None) is None
+    assert stage_manifest(b"{}") == b"{}"
+    for bad in ("{}", {"run_id": "r"}, bytearray(b"{}")):
+        with pytest.raises(FormatError, match="must be bytes"):
+            stage_manifest(bad)
+    with pytest.raises(FormatError, match="exceeds"):
+        stage_manifest(b" " * (MAX_MANIFEST_BYTES + 1))
 
 
 def test_a_sync_request_takes_a_json_integer():
