@@ -11,7 +11,7 @@ from trl.experimental.async_grpo import AsyncGRPOConfig
 from .defaults import BUILT
 from .tiny_model import PRESETS, Preset, build_tiny_qwen3
 
-__all__ = ["build_config", "prepare_model"]
+__all__ = ["build_config", "built_preset", "prepare_model"]
 
 
 def prepare_model(model: str, model_dir: str, *, seed: int = 0) -> str:
@@ -41,10 +41,13 @@ def build_config(
     args: argparse.Namespace, *, model: str, cpu: bool, vllm_url: str
 ) -> AsyncGRPOConfig:
     """TRL settings; a built preset gets its own learning rate and short completions so a few
-    dozen steps show learning on a CPU, a real model the RL defaults (lr 1e-6, 1024 tokens)."""
+    dozen steps show learning on a CPU (16 tokens for the sanity task, 64 for a tool call), a
+    real model the RL defaults (lr 1e-6, 1024 tokens)."""
     preset = _preset(model)
     lr = args.lr if args.lr is not None else (preset.lr if preset else 1e-6)
-    length = args.max_completion_length or (16 if preset else 1024)
+    # a built model's tool call is about 25 tokens (`trainer.tiny_model.TOOL_CALL_PIECES`)
+    built_length = 16 if args.env == "sanity" else 64
+    length = args.max_completion_length or (built_length if preset else 1024)
     return AsyncGRPOConfig(
         output_dir=args.output_dir,
         max_steps=args.steps,
@@ -73,6 +76,11 @@ def build_config(
         max_staleness=1 if cpu else 4,
         dtype="float32",
     )
+
+
+def built_preset(model: str) -> bool:
+    """Whether `model` is a folder `prepare_model` built (a random model, no tool calling)."""
+    return _preset(model) is not None
 
 
 def _preset(model: str) -> Preset | None:

@@ -6,6 +6,7 @@ folder). Stdlib only: the launcher reads it without torch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -27,13 +28,27 @@ def _number(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
+def _thirds(values: list[float]) -> list[float] | None:
+    """The means of a run's first, middle and last third of steps (None under 3 steps)."""
+    if len(values) < 3:
+        return None
+    bounds = [round(len(values) * i / 3) for i in range(4)]
+    return [sum(values[a:b]) / (b - a) for a, b in itertools.pairwise(bounds)]
+
+
 class EnvReport:
-    """Tool calls and rewards of a run, fed with every dict TRL logs (`observe`)."""
+    """Tool calls and rewards of a run, fed with every dict TRL logs (`observe`).
+
+    Per optimizer step it keeps the mean reward of the trained rollouts and their share with a
+    valid tool call: TRL's per-rollout means `tools/call_frequency` (calls) times one minus
+    `tools/failure_frequency` (the share of them that failed), exact while a rollout makes at
+    most one call, as the format warm-up teaches. `thirds` sums both up by thirds of the run."""
 
     def __init__(self, run_id: str, env: str, reward: str, tools: tuple[str, ...]):
         self.run_id, self.env, self.reward, self.tools = run_id, env, reward, tools
         self.calls = self.failures = 0
         self.rewards: list[float] = []
+        self.valid_calls: list[float] = []  # per step: successful tool calls per rollout
         self.spread = False  # some logged step had rewards that differed
 
     def observe(self, logs: dict[str, Any]) -> None:
@@ -48,6 +63,26 @@ class EnvReport:
         if reward is not None:
             self.rewards.append(reward)
             self.spread = self.spread or (_number(logs.get("reward_std")) or 0.0) > 0.0
+            calls = _number(logs.get("tools/call_frequency"))
+            if calls is not None:
+                failed = _number(logs.get("tools/failure_frequency")) or 0.0
+                self.valid_calls.append(min(1.0, calls) * (1.0 - failed))
+
+    def thirds(self) -> dict[str, list[float]]:
+        """Mean reward and valid tool calls per rollout by thirds of the run's steps."""
+        found = {"reward": _thirds(self.rewards), "valid_calls": _thirds(self.valid_calls)}
+        return {k: v for k, v in found.items() if v is not None}
+
+    def summary(self) -> str | None:
+        """One line for the end of the run (None when it ran under 3 steps)."""
+        thirds = self.thirds()
+        parts = []
+        if self.tools and "valid_calls" in thirds:
+            shares = " / ".join(f"{v:.0%}" for v in thirds["valid_calls"])
+            parts.append(f"rollouts with a valid tool call {shares}")
+        if "reward" in thirds:
+            parts.append(f"mean reward {' / '.join(f'{v:.3f}' for v in thirds['reward'])}")
+        return f"by thirds of the run: {'; '.join(parts)}" if parts else None
 
     def warnings(self) -> list[str]:
         """One line per reason this run could not learn from its environment."""
@@ -83,6 +118,9 @@ class EnvReport:
             "tool_calls": self.calls,
             "tool_failures": self.failures,
             "rewards": self.rewards,
+            "valid_calls": self.valid_calls,
+            "thirds": self.thirds(),
+            "summary": self.summary(),
             "warnings": self.warnings(),
         }
         tmp = path.with_suffix(".tmp")

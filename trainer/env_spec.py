@@ -26,7 +26,15 @@ from .envs import ENVIRONMENTS, OpenEnvSession
 from .mcp_tools import MCPSession, mcp_session
 from .openenv_inspect import EnvSetupError, check_action, inspect_server
 
-__all__ = ["EnvSetupError", "EnvSpec", "dataset_rows", "env_arg", "preflight", "resolve"]
+__all__ = [
+    "EnvSetupError",
+    "EnvSpec",
+    "dataset_rows",
+    "env_arg",
+    "preflight",
+    "resolve",
+    "session_tools",
+]
 
 CLASS_REF = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 _LAST_REWARD = "the server's `reward` of the episode's last step"
@@ -80,6 +88,7 @@ def _class_spec(env: str, cls: type, env_url: str, api_key: str | None) -> EnvSp
     factory = functools.partial(cls, **given) if given else cls
     inherited = issubclass(cls, OpenEnvSession) and cls.get_reward is OpenEnvSession.get_reward
     reward = _LAST_REWARD if inherited else f"{cls.__qualname__}.get_reward()"
+    reward = getattr(cls, "reward_source", None) or reward
     prompt = getattr(cls, "prompt", None) or "Use your tools until the task is done."
     return EnvSpec(env, factory, prompt, reward)
 
@@ -113,6 +122,16 @@ def dataset_rows(spec: EnvSpec, count: int = 4096) -> list[dict[str, Any]]:
     return [{"prompt": [{"role": "user", "content": spec.prompt}], "seed": i} for i in range(count)]
 
 
+def session_tools(session: Any) -> list[str]:
+    """The names of a session's tools as TRL's rollout worker finds them: every public method
+    except `reset` and `get_reward`."""
+    return [
+        name
+        for name, _ in inspect.getmembers(type(session), predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    ]
+
+
 def preflight(spec: EnvSpec) -> EnvSpec:
     """Build, check and reset one session as the rollout worker will; returns `spec` with the
     session's tool names.
@@ -134,11 +153,7 @@ def preflight(spec: EnvSpec) -> EnvSpec:
     session = spec.factory()
     if not callable(getattr(session, "get_reward", None)):
         raise EnvSetupError(f"--env {spec.env}: {type(session).__name__} has no get_reward()")
-    tools = [
-        name
-        for name, _ in inspect.getmembers(type(session), predicate=inspect.isfunction)
-        if name not in ("reset", "get_reward") and not name.startswith("_")
-    ]
+    tools = session_tools(session)
     for name in tools:  # what TRL's rollout worker renders into the prompt
         try:
             get_json_schema(getattr(session, name))

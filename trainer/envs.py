@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import re
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "ENVIRONMENTS",
+    "WORDLE_WORDS",
     "OpenEnvSession",
     "OpenEnvTextTool",
     "WordleTool",
@@ -65,6 +67,12 @@ class OpenEnvSession:
     """
 
     prompt = "Play the game with your tools until it is over."
+    examples: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    """Values a tool argument of this name may take, for the format warm-up's synthetic calls
+    (`trainer.warmup`); an argument not named here gets a value drawn from its JSON schema."""
+    reward_source: ClassVar[str | None] = None
+    """What the reward is, in the trainer's log and report (None: the server's reward of the
+    episode's last step, or `Class.get_reward()` when a subclass overrides it)."""
 
     def __init__(self, base_url: str, api_key: str | None = None):
         self.base_url = base_url
@@ -164,10 +172,30 @@ class OpenEnvTextTool(OpenEnvSession):
         return self._step(message)
 
 
+# Allowed guesses the format warm-up draws from, from good openers to poor ones (expected
+# partial credit against a random secret from 0.24 for "stare" to 0.06 for "kudzu"): a small
+# model learns a dozen words in a few hundred steps, and GRPO has better and worse ones to
+# tell apart.
+_WORDS = """
+    stare raise crane cloth jazzy kudzu
+"""
+WORDLE_WORDS = tuple(_WORDS.split())
+_FEEDBACK = re.compile(r"^[GYX](?: [GYX]){4}$", re.MULTILINE)
+
+
 class WordleTool(OpenEnvSession):
-    """Wordle as TRL's Wordle example plays it: a `guess` tool, reward 0 after an invalid move."""
+    """Wordle with a `guess` tool, scored after every guess: the reward is what the game would
+    pay if it ended now (1.0 for a win, else TextArena's partial credit of the last guess,
+    (greens + 0.5 * yellows) / 5), and 0 after an invalid move. The server pays only at the end
+    of a game; scoring every guess lets a rollout that stops early still tell GRPO how close it
+    came (the partial credit other Wordle RL setups give per guess too)."""
 
     prompt = "Play Wordle. Call the guess tool with a five-letter word until you solve it."
+    examples: ClassVar[dict[str, tuple[Any, ...]]] = {"guess": WORDLE_WORDS}
+    reward_source = (
+        "the game's score after the last guess (1.0 for a win, else (greens + 0.5 * yellows) "
+        "/ 5, 0 after an invalid move)"
+    )
 
     def guess(self, guess: str) -> str:
         """Guess the secret five-letter word.
@@ -181,6 +209,9 @@ class WordleTool(OpenEnvSession):
         text = self._step(guess if guess.startswith("[") else f"[{guess.strip().lower()}]")
         if "You attempted an invalid move" in text:
             self.reward = 0.0
+        elif not self.done and (scored := _FEEDBACK.findall(text)):
+            marks = scored[-1].split()
+            self.reward = (marks.count("G") + marks.count("Y") * 0.5) / len(marks)
         return text
 
 

@@ -45,6 +45,11 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+# The fixed text of a Qwen3 tool call (`<tool_call>\n{"name": "NAME", "arguments": {ARGS}}\n
+# </tool_call>`), as three ordinary tokens: a real BPE tokenizer writes that skeleton in about
+# ten tokens, bytes alone take about 50, and a random model must learn every one exactly before
+# its first call parses. Ordinary (not special) tokens, so decoding keeps them.
+TOOL_CALL_PIECES = ('<tool_call>\n{"name": "', '", "arguments": {', "}}\n</tool_call>")
 
 
 @dataclass(frozen=True)
@@ -95,8 +100,9 @@ def tiny_qwen3_config(
 
 
 def byte_level_tokenizer():
-    """Byte-level BPE without merges: 256 byte tokens plus Qwen's special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """Byte-level BPE without merges: 256 byte tokens, Qwen's special tokens and the three
+    pieces of a tool call's fixed text (`TOOL_CALL_PIECES`)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -105,6 +111,7 @@ def byte_level_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_tokens([AddedToken(piece, normalized=False) for piece in TOOL_CALL_PIECES])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

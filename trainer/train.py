@@ -57,6 +57,7 @@ from .rewards import RewardCallback, StepRewards
 from .routing import within_staleness
 from .sharded import fsdp2_launched, sharded_trainer_class
 from .tasks import DEFAULT_CHARS, sanity_dataset, sanity_reward
+from .warmup import WARMUP_STEPS, warm_up
 from .weight_sync import BucketWeightTransfer
 
 log = logging.getLogger("trainer")
@@ -200,6 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per completion (default 1024; 16 for a built model)",
     )
     p.add_argument(
+        "--warmup-steps",
+        type=whole,
+        default=None,
+        help="supervised steps on synthetic tool-call transcripts of --env before GRPO, so a "
+        "model that cannot call tools yet learns the format (trainer.warmup; default: "
+        f"{WARMUP_STEPS} for a built model with an environment that has tools, else 0)",
+    )
+    p.add_argument(
         "--encoding",
         choices=("ans", "packed", "coo"),
         default="ans",
@@ -286,7 +295,7 @@ def _train(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-    from .config import build_config, prepare_model
+    from .config import build_config, built_preset, prepare_model
     from .cpu import enable_cpu_training
 
     env = None if args.env == "sanity" else _environment(args)
@@ -354,6 +363,12 @@ def _train(args: argparse.Namespace) -> int:
     if weights is not None and checkpoint is None:
         load_into(trainer.model, weights)
         log.info("continuing run %s from version %d", weights.run_id, weights.version)
+    built = built_preset(model)
+    if env is not None and (steps := _warmup_steps(args, built, env, weights, sharded)):
+        result = warm_up(
+            trainer.accelerator.unwrap_model(trainer.model), tokenizer, env, steps=steps
+        )
+        console.info("%s", result.line())
     trainer.add_callback(RewardCallback(rewards))
     trainer.add_callback(_DrainRollouts(trainer))
     if trainer.rollout_worker is not None:
@@ -390,6 +405,8 @@ def _train(args: argparse.Namespace) -> int:
     if latency := transfer.latency_summary():
         console.info("%s", latency)
     if report is not None and (not sharded or trainer.accelerator.is_main_process):
+        if summary := report.summary():
+            console.info("environment %s", summary)
         for warning in report.warnings():
             console.warning("warning: %s", warning)
         report.save(args.output_dir)
@@ -462,6 +479,30 @@ def _environment(args: argparse.Namespace) -> EnvSpec:
     tools = ", ".join(spec.tools) or "none"
     console.info("environment %s: tools %s; reward: %s", args.env, tools, spec.reward)
     return spec
+
+
+def _warmup_steps(
+    args: argparse.Namespace,
+    built: bool,
+    env: EnvSpec,
+    weights: BucketWeights | None,
+    sharded: bool,
+) -> int:
+    """The format warm-up's steps: --warmup-steps, else some for a built model (which cannot
+    call tools) on an environment with tools, never for a run that continues trained weights."""
+    if weights is not None or sharded or not env.tools:
+        if args.warmup_steps:
+            console.warning("warning: --warmup-steps ignored (%s)", _no_warmup(weights, sharded))
+        return 0
+    if args.warmup_steps is not None:
+        return args.warmup_steps
+    return WARMUP_STEPS if built else 0
+
+
+def _no_warmup(weights: BucketWeights | None, sharded: bool) -> str:
+    if weights is not None:
+        return "the run continues trained weights"
+    return "FSDP2 ranks hold parts of the model" if sharded else "the environment has no tools"
 
 
 def _task(args: argparse.Namespace, tokenizer, env: EnvSpec | None) -> dict:

@@ -70,7 +70,7 @@ def test_plan_gives_the_trainer_the_class_and_this_folder(tmp_path, monkeypatch)
     assert plan.trainer.env["PYTHONPATH"] == os.pathsep.join((str(tmp_path), "/opt/more"))
     assert [s.name for s in plan.services] == ["dashboard", "vllm-0"]
     replica = plan.services[1].argv
-    assert replica[replica.index("--max-model-len") + 1] == "2048"  # tool prompts fit
+    assert replica[replica.index("--max-model-len") + 1] == "4096"  # tool turns fit
     assert "PYTHONPATH" not in local_plan(LocalConfig(workdir=tmp_path, env="wordle")).trainer.env
 
 
@@ -96,6 +96,7 @@ def test_a_class_from_the_users_folder_trains_through_launch(tmp_path):
     cmd += ["--workdir", str(tmp_path / "work")]
     cmd += ["--model-dir", str(tmp_path / "model"), "--vllm-port", str(free_port())]
     cmd += ["--dashboard-port", str(free_port())]
+    cmd += ["--", "--warmup-steps", "0"]  # a model that calls no tool: the summary's warning
     env = {k: v for k, v in os.environ.items() if k not in ("DELTASYNC_API_KEY", "PYTHONPATH")}
     proc = subprocess.Popen(
         cmd,

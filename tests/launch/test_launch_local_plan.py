@@ -48,7 +48,7 @@ def test_tool_environments_get_a_longer_context_and_real_models_no_prepare(tmp_p
     plan = local_plan(LocalConfig(workdir=tmp_path, env="wordle"))
     assert plan.services[0].name == "wordle" and plan.services[0].ready_url.endswith("/health")
     replica = plan.services[2].argv
-    assert replica[replica.index("--max-model-len") + 1] == "2048"
+    assert replica[replica.index("--max-model-len") + 1] == "4096"
     real = local_plan(LocalConfig(workdir=tmp_path, model="Qwen/Qwen3-0.6B", env="http://x:1"))
     assert real.prepare is None and [s.name for s in real.services] == ["dashboard", "vllm-0"]
     assert "--model-dir" not in real.trainer.argv

@@ -4,14 +4,18 @@ way OpenEnv's own `echo_env` is: an `MCPEnvironment` around a FastMCP server, se
 code: one TRL tool per MCP tool, typed from the tools' input schemas.
 
 Four tools with typed arguments (`add` takes two integers). Each episode has a task chosen by
-the seed: even seeds ask for `add(2, 3)` (reward 1.0), odd seeds for `shout("hello")` (reward
-0.5); the task's tool ends the episode, any other call scores 0.0 and the episode goes on.
-Every call that reaches the server is recorded with its arguments as they arrived
-(`ToolEnvironment.calls`).
+the seed, with arguments that vary by seed: a sum (`add`), a shout (`shout`) or a color to pick
+(`pick`), in turn (seed 0: `add(2, 3)`, seed 1: `shout("hello")`). A call of the task's tool
+that the server accepts ends the episode: the task's reward (1.0; 0.5 for a shout) when every
+argument is right, half of it plus that half's share per right argument otherwise (so a model
+that picks the right tool learns before it copies the arguments right); any other call scores
+0.0 and the episode goes on. Every call that reaches the server is recorded with its arguments
+as they arrived (`ToolEnvironment.calls`).
 """
 
 from __future__ import annotations
 
+import random
 from typing import Any, ClassVar, Literal
 
 from fastmcp import FastMCP
@@ -22,11 +26,22 @@ from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservatio
 from openenv.core.env_server.types import EnvironmentMetadata, Observation, State
 from say_env import _QuietDisconnect
 
-TASKS = (
-    ("Add 2 and 3.", "add", {"a": 2, "b": 3}, 1.0),
-    ("Shout hello.", "shout", {"text": "hello"}, 0.5),
-)
+WORDS = ("hello", "world", "green", "quiet", "storm", "maple", "river", "candy", "noble", "tiger")
+COLORS = ("red", "green", "blue")
 DESCRIPTION = "Solve small tasks with the tools."
+
+
+def task(seed: int) -> tuple[str, str, dict[str, Any], float]:
+    """The episode's (instruction, tool, arguments, reward when solved) for a reset seed."""
+    rng = random.Random(seed)
+    if seed % 3 == 0:
+        a, b = (2, 3) if seed == 0 else (rng.randint(0, 9), rng.randint(0, 9))
+        return f"Add {a} and {b}.", "add", {"a": a, "b": b}, 1.0
+    if seed % 3 == 1:
+        word = "hello" if seed == 1 else rng.choice(WORDS)
+        return f"Shout {word}.", "shout", {"text": word}, 0.5
+    color = rng.choice(COLORS)
+    return f"Pick {color}.", "pick", {"color": color}, 1.0
 
 
 class TaskObservation(Observation):
@@ -83,14 +98,14 @@ class ToolEnvironment(MCPEnvironment):
 
     def __init__(self) -> None:
         super().__init__(_tools())
-        self._task = TASKS[0]
+        self._task = task(0)
         self._done = False
         self._state = State()
 
     def reset(
         self, seed: int | None = None, episode_id: str | None = None, **_: Any
     ) -> TaskObservation:
-        self._task = TASKS[(seed or 0) % len(TASKS)]
+        self._task = task(seed or 0)
         self._done = False
         self._state = State(episode_id=episode_id, step_count=0)
         return TaskObservation(task=self._task[0], reward=0.0)
@@ -100,11 +115,10 @@ class ToolEnvironment(MCPEnvironment):
             return observation
         ToolEnvironment.calls.append((action.tool_name, dict(action.arguments)))
         _, tool, arguments, reward = self._task
-        solved = action.tool_name == tool and all(
-            action.arguments.get(k) == v for k, v in arguments.items()
-        )
-        self._done = self._done or solved
-        observation.reward = reward if solved else 0.0
+        accepted = action.tool_name == tool and getattr(observation, "error", None) is None
+        right = sum(action.arguments.get(k) == v for k, v in arguments.items())
+        self._done = self._done or accepted
+        observation.reward = reward * (1 + right / len(arguments)) / 2 if accepted else 0.0
         observation.done = self._done
         return observation
 

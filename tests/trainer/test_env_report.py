@@ -67,3 +67,27 @@ def test_saved_for_the_launcher_of_that_run_only(tmp_path):
     assert load_warnings(tmp_path / "nowhere", "run") == []
     path.write_text("{not json")
     assert load_warnings(tmp_path / "trainer", "run") == []
+
+
+def _learning_step(reward: float, calls: float, failed: float = 0.0) -> dict:
+    frequencies = {"tools/call_frequency": calls, "tools/failure_frequency": failed}
+    return {**_step(reward, 0.1), **frequencies}
+
+
+def test_thirds_of_the_run_and_their_line():
+    steps = [_learning_step(0.1 * i, 0.5 + 0.1 * i, 0.5 if i < 2 else 0.0) for i in range(6)]
+    report = _report(*steps)
+    thirds = report.thirds()
+    assert [round(v, 3) for v in thirds["reward"]] == [0.05, 0.25, 0.45]
+    # a rollout's valid calls: its calls (at most one counts) less the failed share of them
+    assert [round(v, 3) for v in thirds["valid_calls"]] == [0.275, 0.75, 0.95]
+    assert report.summary() == (
+        "by thirds of the run: rollouts with a valid tool call 28% / 75% / 95%; "
+        "mean reward 0.050 / 0.250 / 0.450"
+    )
+
+
+def test_no_thirds_under_three_steps_and_no_call_share_without_tools():
+    assert _report(_learning_step(0.1, 1.0), _learning_step(0.2, 1.0)).summary() is None
+    report = _report(*(_step(0.1 * i, 0.1) for i in range(3)), tools=())
+    assert report.summary() == "by thirds of the run: mean reward 0.000 / 0.100 / 0.200"

