@@ -89,6 +89,9 @@ class AuthProxy:
         token: their bearer token; None: they take none (nothing is added).
         eligible: which upstreams may generate now (`trainer.routing.Eligible`); None: all.
         cooldown_s: how long a replica that refused a connection or answered 5xx is skipped.
+        stall_s: a replica holding generations that answers none for this long has stalled:
+            its requests go to another replica that answers, and it sits out `cooldown_s`
+            (`Router.stalled`).
         timeout_s: per forwarded request.
         dead_after_s: how long every replica's `/health` must fail before rollouts stop;
             None: no probes, replicas are never declared down.
@@ -102,11 +105,13 @@ class AuthProxy:
         *,
         eligible: Eligible | None = None,
         cooldown_s: float = 5.0,
+        stall_s: float = 10.0,
         timeout_s: float = 600.0,
         dead_after_s: float | None = 10.0,
         probe_s: float = 2.0,
     ):
-        self.router = Router(upstreams, eligible, cooldown_s=cooldown_s)
+        self.router = Router(upstreams, eligible, cooldown_s=cooldown_s, stall_s=stall_s)
+        self._check_s = min(1.0, stall_s / 4)
         self.liveness = None if dead_after_s is None else Liveness(upstreams, dead_after_s)
         self.stop_reason: str | None = None  # set once, on the proxy's loop; read by the trainer
         self._probe_s = probe_s
@@ -182,6 +187,8 @@ class AuthProxy:
                 return await self._send(url, request.method, target, headers, body, generation)
             except aiohttp.ClientConnectorError as exc:  # nothing reached it: try another
                 tried[url] = repr(exc)
+            except _Stalled as exc:  # never answered: another replica generates it
+                tried[url] = str(exc)
 
     async def _send(
         self,
@@ -196,11 +203,15 @@ class AuthProxy:
         assert self._session is not None  # set before the site starts
         failure, status, done = None, 0, False
         self.router.started(url)
+        exchange = asyncio.ensure_future(self._exchange(method, target, headers, body))
         try:
-            async with self._session.request(
-                method, target, headers=headers, data=body, timeout=self._timeout
-            ) as upstream:
-                reply = await upstream.read()
+            while not exchange.done():
+                await asyncio.wait({exchange}, timeout=self._check_s)
+                if not exchange.done() and generation and (why := self.router.stalled(url)):
+                    exchange.cancel()  # vLLM aborts a request whose client went away
+                    failure, done = why, True
+                    raise _Stalled(why)
+            upstream, reply = exchange.result()
             status, done = upstream.status, True
             if status >= 500:
                 failure = f"answered {status}"
@@ -220,12 +231,22 @@ class AuthProxy:
             failure, done = f"failed a request ({type(exc).__name__})", True
             return web.Response(status=502, text=f"rollout server {url} unreachable: {exc!r}")
         finally:  # not done: the caller went away (cancelled), which says nothing of the replica
+            exchange.cancel()  # a no-op once it is done
             self.router.finished(
                 url,
                 failure=failure,
                 generated=generation and 200 <= status < 300,
                 cancelled=not done,
             )
+
+    async def _exchange(
+        self, method: str, target: URL, headers: dict[str, str], body: bytes | None
+    ) -> tuple[aiohttp.ClientResponse, bytes]:
+        assert self._session is not None  # set before the site starts
+        async with self._session.request(
+            method, target, headers=headers, data=body, timeout=self._timeout
+        ) as upstream:
+            return upstream, await upstream.read()
 
     def _stop(self, reason: str) -> None:
         """Rollouts cannot go on: keep the first reason, log it once."""
@@ -307,6 +328,10 @@ class AuthProxy:
             if self._session is not None:
                 self._loop.run_until_complete(self._session.close())
             self._loop.close()
+
+
+class _Stalled(Exception):
+    """A generation request given up at a stalled replica (`Router.stalled`), to be sent on."""
 
 
 def _refusal(url: str, status: int, reply: bytes) -> str:

@@ -215,10 +215,13 @@ def _median(values: list[float]) -> float:
 
 def test_two_replicas_share_the_rollouts_and_serve_every_version_in_flat_time(tmp_path, model_dir):
     """The fleet as its users see it: with `--replicas 2` each engine gets its own core and the
-    router starves neither (each takes at least a tenth of the rollouts; before, one took 1.4 %),
+    router spreads the rollouts (the busiest at most 1.5x the mean; before, one took 1.4 %),
     every version has a commit-to-serving latency on every replica, and that latency does not
-    grow over the run (p50 of the last third at most 1.2x the first third's)."""
-    run = Launch(tmp_path, model_dir, "--replicas", "2", "--steps", "12")
+    grow over the run: the fleet's p50 over the last third of the versions is at most 1.2x the
+    first third's. 45 steps: each third's p50 is of 30 latencies (15 versions, 2 replicas); a
+    single sync on 2 busy cores varies 0.1-1 s, and a p50 of 4 (a 12-step run) failed one CI
+    run at 0.53 s against 0.30 s."""
+    run = Launch(tmp_path, model_dir, "--replicas", "2", "--steps", "45")
     try:
         code = run.finish(DEADLINE_S)
     finally:
@@ -232,17 +235,21 @@ def test_two_replicas_share_the_rollouts_and_serve_every_version_in_flat_time(tm
     completions = [int(n) for n in spread.groups()]
     busiest = max(completions) / (sum(completions) / 2)
     print(f"completions per replica {completions}: busiest {busiest:.2f}x the mean", end="")
-    assert min(completions) >= 0.1 * sum(completions), completions
+    assert busiest <= 1.5, completions
     assert "commit-to-serving latency p50 / p95: vllm-0 " in text, text
     bucket = tmp_path / "work" / "e2e" / "bucket"
     records = _records(bucket)
-    assert [r["version"] for r in records] == list(range(1, 14))
+    assert [r["version"] for r in records] == list(range(1, 47))
     for record in records:
         assert set(record["replicas"]) == {"vllm-0", "vllm-1"}, record
         for outcome in record["replicas"].values():
             assert outcome["ok"] is True and outcome["latency_s"] > 0, record
-    third = len(records) // 3
-    for name in ("vllm-0", "vllm-1"):
-        latencies = [r["replicas"][name]["latency_s"] for r in records[1:]]  # v1: the cold start
-        first, last = latencies[:third], latencies[-third:]
-        assert _median(last) <= 1.2 * _median(first), (name, latencies)
+    timed = records[1:]  # v1: the cold start
+    third = len(timed) // 3
+
+    def fleet(versions: list[dict]) -> list[float]:
+        return [outcome["latency_s"] for r in versions for outcome in r["replicas"].values()]
+
+    first, last = fleet(timed[:third]), fleet(timed[-third:])
+    print(f"; latency p50 first third {_median(first):.2f} s, last {_median(last):.2f} s", end="")
+    assert _median(last) <= 1.2 * _median(first), (first, last)

@@ -55,21 +55,28 @@ def _picks(router: Router, n: int, *, generation: bool = True) -> list[str | NoR
 
 
 class Rollouts:
-    """TRL's rollout worker in ticks: it keeps `inflight` generations in flight
-    (`max_inflight_tasks`); each tick a replica answers all it holds, unless it is stuck until
-    tick `stuck_until[url]` or answers only every `every[url]` ticks (a slower one)."""
+    """TRL's rollout worker in ticks of one second on `clock`: it keeps `inflight` generations
+    in flight (`max_inflight_tasks`); each tick a replica answers all it holds, unless it is
+    stuck until tick `stuck_until[url]` or answers only every `every[url]` ticks (a slower
+    one). Requests at a replica that has stalled are given up and sent again, as the proxy
+    does."""
 
-    def __init__(self, router: Router, inflight: int = 8) -> None:
-        self.router, self.inflight, self.tick = router, inflight, 0
+    def __init__(self, router: Router, clock: Clock, inflight: int = 8) -> None:
+        self.router, self.clock, self.inflight, self.tick = router, clock, inflight, 0
         self.flying: list[str] = []
 
     def run(self, ticks: int, *, stuck_until: dict | None = None, every: dict | None = None):
         for _ in range(ticks):
+            self.clock.now += 1.0
             while len(self.flying) < self.inflight:
                 url = self.router.pick(generation=True)
                 assert isinstance(url, str), url
                 self.router.started(url)
                 self.flying.append(url)
+            for url in list(self.flying):  # the proxy gives up requests at a stalled one
+                if why := self.router.stalled(url):
+                    self.flying.remove(url)
+                    self.router.finished(url, failure=why)
             for url in list(self.flying):
                 answers = self.tick >= (stuck_until or {}).get(url, 0)
                 if answers and self.tick % (every or {}).get(url, 1) == 0:
@@ -120,23 +127,48 @@ def test_the_least_busy_replica_wins():
     assert router.pick(generation=True) == A
 
 
-def test_a_stuck_replica_is_not_starved_and_makes_up_its_share_once_it_answers():
-    """B's requests are stuck for 10 ticks (its first sync's prefetch, a busy core): A takes the
-    rest meanwhile and B holds at most `max_skew` more than A; once B answers it is sent more
-    until both have answered about as many (plain least-outstanding left it 120 to 160)."""
-    rollouts = Rollouts(Router([A, B]))
-    stuck = rollouts.run(10, stuck_until={B: 10})
-    assert stuck[B] == 0 and rollouts.flying.count(B) <= 5  # of 8 in flight: A has 3 or more
-    assert stuck[A] >= 3 * 10
-    done = rollouts.run(30)
-    assert abs(done[A] - done[B]) <= 8, done  # one burst of 8 at most
+def _rollouts(*upstreams: str, **router: float) -> Rollouts:
+    clock = Clock()
+    return Rollouts(Router(list(upstreams), clock=clock, **router), clock)
+
+
+def test_a_stalled_replica_s_requests_go_to_the_other_and_it_starts_level_once_back():
+    """B takes requests and answers none for 20 ticks (a hung engine, a partitioned Space):
+    having answered fewest it draws them, until it has been quiet for `stall_s`; then they are
+    sent to A and B sits out its cool-down, and once it answers again it starts level (it does
+    not claim what A answered meanwhile) and the two share the rest."""
+    rollouts = _rollouts(A, B, stall_s=3.0, cooldown_s=5.0)
+    rollouts.run(3, stuck_until={B: 20})  # quiet for less than stall_s: B draws the requests
+    assert rollouts.flying.count(B) >= 7
+    stuck = rollouts.run(17, stuck_until={B: 20})
+    assert stuck[B] == 0 and stuck[A] >= 80, stuck  # of 136: rollouts went on at A
+    settled = rollouts.run(10)  # its last cool-down, then it answers again
+    assert settled[B] > 0
+    done = rollouts.run(20)
+    back = {url: done[url] - settled[url] for url in (A, B)}
+    assert abs(back[A] - back[B]) <= 8, back
+
+
+def test_a_replica_left_out_for_a_while_makes_up_its_share_at_once():
+    """B generates nothing for 10 ticks (behind in versions, so not eligible): once it may
+    again, it is sent every request until it has answered about as many as A, and is never
+    taken for stalled while it answers (with a skew bound of 2 it lagged by 40 after 20 ticks)."""
+    eligible = {A, B}
+    clock = Clock()
+    rollouts = Rollouts(Router([A, B], lambda: eligible, clock=clock), clock)
+    eligible.discard(B)
+    left_out = rollouts.run(10)
+    assert left_out[B] == 0 and left_out[A] >= 70
+    eligible.add(B)
+    done = rollouts.run(20)
+    assert abs(done[A] - done[B]) <= 8, done
 
 
 def test_a_slower_replica_still_gets_about_its_share():
-    """C answers every other tick (e.g. two engines on one core): it holds up to `max_skew`
-    more requests, so its batches are bigger and it answers about as many as the others
-    (plain least-outstanding gave it 89 to their 150)."""
-    done = Rollouts(Router([A, B, C])).run(60, every={C: 2})
+    """C answers every other tick (e.g. two engines on one core): it holds more requests, so
+    its batches are bigger and it answers about as many as the others (plain least-outstanding
+    gave it 89 to their 150)."""
+    done = _rollouts(A, B, C).run(60, every={C: 2})
     mean = sum(done.values()) / 3
     assert done[C] >= 0.9 * mean and max(done.values()) <= 1.5 * mean, done
 
@@ -153,12 +185,27 @@ def test_a_replica_back_from_failing_starts_level():
     assert _picks(router, 4) == [A, B, A, B]
 
 
-def test_max_skew_one_is_plain_least_outstanding():
-    rollouts = Rollouts(Router([A, B], max_skew=1))
-    rollouts.run(10, stuck_until={B: 10})
-    assert rollouts.flying.count(B) == 4  # half of the 8 in flight, as before
+def test_a_failed_replica_holds_at_most_max_skew_more_until_it_answers():
+    """Back from its cool-down, a replica that failed has answered fewest but is held to the
+    skew bound (`max_skew=1`: no more than the least busy) until it answers once; then it is
+    sent requests first again."""
+    clock = Clock()
+    router = Router([A, B], max_skew=1, clock=clock)
+    router.started(B)
+    router.finished(B, failure="answered 503")
+    _picks(router, 4)  # A answers 4 while B cools down
+    clock.now += 5.1
+    held = []
+    for _ in range(6):
+        held.append(router.pick(generation=True))
+        router.started(held[-1])
+    assert held.count(B) == 3  # half of the 6 in flight
+    router.finished(B, failure=None, generated=True)
+    assert router.pick(generation=True) == B  # answering again: fewest answers first
     with pytest.raises(ValueError, match="max_skew"):
         Router([A], max_skew=0)
+    with pytest.raises(ValueError, match="stall_s"):
+        Router([A], stall_s=0)
 
 
 def test_the_completions_line_reads_back():
@@ -335,24 +382,56 @@ def test_concurrent_completions_are_spread_evenly(fleet: list[Upstream]):
     assert sum(counts) == 48 and min(counts) >= 10, counts
 
 
-def test_a_held_replica_gets_at_most_one_more_then_makes_up_its_share(fleet: list[Upstream]):
-    """While fleet[0] holds its requests it takes at most one more than the least busy
-    (`max_skew` 2); once it answers it is sent the most until its answers catch up."""
+def test_a_stalled_replica_s_request_is_answered_by_another(fleet: list[Upstream]):
+    """fleet[0] takes a request and answers nothing (a hung engine, a partitioned Space): after
+    `stall_s` the caller gets its answer from another replica, and fleet[0] sits out its
+    cool-down."""
     slow = fleet[0]
     slow.hold.clear()
-    with _proxy([u.url for u in fleet], TOKEN) as proxy, ThreadPoolExecutor(2) as held:
+    with (
+        _proxy([u.url for u in fleet], TOKEN, stall_s=0.5, cooldown_s=COOLDOWN_S) as proxy,
+        ThreadPoolExecutor(1) as held,
+    ):
         first = held.submit(_generate, proxy)  # fleet[0]'s turn: it holds it
         _wait_until(lambda: len(slow.seen) == 1, timeout_s=10)
-        _generate(proxy, 2)
+        _generate(proxy, 2)  # the others answer at once
         assert _counts(fleet) == [1, 1, 1]
-        second = held.submit(_generate, proxy)  # it has answered fewest: one more, held too
-        _wait_until(lambda: len(slow.seen) == 2, timeout_s=10)
-        _generate(proxy, 6)  # two in flight there, none elsewhere: the others take them
-        assert _counts(fleet) == [2, 4, 4]
+        assert first.result(10)[0][0] == 200  # given up at fleet[0], answered elsewhere
+        assert sorted(_counts(fleet)) == [1, 1, 2]
+        _generate(proxy, 4)  # fleet[0] is cooling down
+        assert _counts(fleet)[0] == 1 and sum(_counts(fleet)) == 8
         slow.hold.set()
-        assert first.result(10)[0][0] == second.result(10)[0][0] == 200
-        _generate(proxy, 6)
-    assert _counts(fleet) == [5, 6, 5]  # it took the first 3, then turns again
+
+
+def test_no_request_is_given_up_while_every_replica_is_quiet(fleet: list[Upstream]):
+    """Long generations: no replica answers for longer than `stall_s`, and none is given up
+    (none has shown that it answers sooner)."""
+    for upstream in fleet[:2]:
+        upstream.hold.clear()
+    with (
+        _proxy([u.url for u in fleet[:2]], TOKEN, stall_s=0.3) as proxy,
+        ThreadPoolExecutor(2) as callers,
+    ):
+        replies = [callers.submit(_generate, proxy) for _ in range(2)]
+        _wait_until(lambda: sum(_counts(fleet)) == 2, timeout_s=10)
+        time.sleep(1.0)
+        for upstream in fleet[:2]:
+            upstream.hold.set()
+        assert [r.result(10)[0][0] for r in replies] == [200, 200]
+    assert _counts(fleet) == [1, 1, 0]
+    assert proxy.router.completions() == {fleet[0].url: 1, fleet[1].url: 1}
+
+
+def test_a_replica_behind_in_answers_is_sent_the_most_until_it_catches_up(
+    fleet: list[Upstream],
+):
+    """fleet[0] answers slower: it is sent requests first while it has answered fewest, so
+    its batch grows and its answers keep up with the others'."""
+    fleet[0].delay_s = 0.05
+    with _proxy([u.url for u in fleet], TOKEN) as proxy, ThreadPoolExecutor(8) as callers:
+        list(callers.map(lambda _: _generate(proxy), range(48)))
+    counts = _counts(fleet)
+    assert sum(counts) == 48 and max(counts) <= 1.5 * 16, counts
 
 
 def test_a_lagging_replica_receives_no_completions(fleet: list[Upstream]):
