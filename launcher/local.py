@@ -8,10 +8,8 @@ dashboard are and how the rollouts were spread over the replicas.
 
 Cores: with two or more replicas each engine gets its own cores (`core_binds`): left to vLLM's
 own `VLLM_CPU_OMP_THREADS_BIND=auto`, every engine binds the same first cores, so they slow each
-other down and the router sends nearly everything to whichever answers. The replicas run at
-niceness +10 (`REPLICA_NICE`), so the trainer's steps, publishes and syncs come first. The
-dashboard is told
-the replicas' URLs (`DELTASYNC_REPLICAS`, as on Spaces) for its lag view: their `/health` is open.
+other down, and one of them generates far slower than the other. The dashboard is told the
+replicas' URLs (`DELTASYNC_REPLICAS`, as on Spaces) for its lag view: their `/health` is open.
 """
 
 from __future__ import annotations
@@ -55,11 +53,6 @@ _TINY_VLLM_ARGS = "--max-model-len 512 --max-num-seqs 16 --disable-log-stats"
 _VLLM_ARGS = f"--max-model-len {TOOL_CONTEXT} --max-num-seqs 16 --disable-log-stats"
 _PREPARE_TIMEOUT_S = 600.0
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-REPLICA_NICE = 10
-"""The replicas run at a lower CPU priority than the trainer: on a machine they share, the
-engines generate more than the trainer uses (TRL drops the stale samples) and would otherwise
-take the CPU a training step, a publish and a sync need; on 2 cores a version's publish took up
-to 2-3 s instead of 0.02 s."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +154,6 @@ def local_plan(cfg: LocalConfig, cores: Sequence[int] | None = None) -> LocalPla
                 health_url=f"{urls[name]}/health",  # 503 once its engine died, though it runs
                 # serve.py gives vLLM 20 s to stop its own process tree; give it that and more.
                 stop_grace_s=45,
-                nice=REPLICA_NICE,
             )
         )
     trainer = ProcessSpec(

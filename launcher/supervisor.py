@@ -54,7 +54,6 @@ class ProcessSpec:
     console: bool = False  # its output is shown even when the supervisor is not verbose
     health_url: str | None = None
     unhealthy_after_s: float = 15.0
-    nice: int = 0  # added to its CPU niceness (children it starts inherit it)
 
 
 class _Child:
@@ -131,12 +130,6 @@ class Supervisor:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        if spec.nice:
-            # before it starts its own processes (vLLM's engine core after its imports): they
-            # inherit it; raising niceness needs no privilege
-            os.setpriority(
-                os.PRIO_PROCESS, proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + spec.nice
-            )
         child = _Child(spec, proc, log)
         if spec.ready_line is None and spec.ready_url is None:
             child.ready.set()

@@ -89,9 +89,9 @@ class AuthProxy:
         token: their bearer token; None: they take none (nothing is added).
         eligible: which upstreams may generate now (`trainer.routing.Eligible`); None: all.
         cooldown_s: how long a replica that refused a connection or answered 5xx is skipped.
-        stall_s: a replica holding generations that answers none for this long has stalled:
-            its requests go to another replica that answers, and it sits out `cooldown_s`
-            (`Router.stalled`).
+        stall_s: the least time a generation waits at a replica that answers none before it
+            goes to another replica that answers, and that replica sits out `cooldown_s`
+            (`Router.stalled`: the wait also grows with the generations' length).
         timeout_s: per forwarded request.
         dead_after_s: how long every replica's `/health` must fail before rollouts stop;
             None: no probes, replicas are never declared down.
@@ -202,12 +202,12 @@ class AuthProxy:
         """One attempt at one upstream; its outcome goes to the router whatever happens."""
         assert self._session is not None  # set before the site starts
         failure, status, done = None, 0, False
-        self.router.started(url)
+        since = self.router.started(url)
         exchange = asyncio.ensure_future(self._exchange(method, target, headers, body))
         try:
             while not exchange.done():
                 await asyncio.wait({exchange}, timeout=self._check_s)
-                if not exchange.done() and generation and (why := self.router.stalled(url)):
+                if not exchange.done() and generation and (why := self.router.stalled(url, since)):
                     exchange.cancel()  # vLLM aborts a request whose client went away
                     failure, done = why, True
                     raise _Stalled(why)
@@ -237,6 +237,7 @@ class AuthProxy:
                 failure=failure,
                 generated=generation and 200 <= status < 300,
                 cancelled=not done,
+                since=since,
             )
 
     async def _exchange(

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -128,12 +130,12 @@ class _Replica:
     failing: bool = False
     completions: int = 0
     forgiven: int = 0  # answers it missed while failing, not to be made up (`Router._even`)
-    quiet_since: float = 0.0  # its last answer, or its first request in flight after none
-    answered_at: float | None = None  # its last answer
+    quiet_since: float = 0.0  # its last generation answered, or its first request after none
+    answered_at: float | None = None  # its last generation answered
 
-    def stalled(self, now: float, stall_s: float) -> bool:
-        """Requests in flight and none answered for `stall_s`: stuck, not merely busy."""
-        return self.outstanding > 0 and now - self.quiet_since >= stall_s
+    def stalled(self, now: float, wait_s: float) -> bool:
+        """Requests in flight and no generation answered for `wait_s`: stuck, not busy."""
+        return self.outstanding > 0 and now - self.quiet_since >= wait_s
 
     @property
     def share(self) -> int:
@@ -145,11 +147,14 @@ class Router:
     """Picks an upstream per request and keeps each one's requests in flight and cool-down.
 
     A read goes to the least busy replica (ties in turn). A generation goes to the replica that
-    has answered the fewest so far, then the least busy, then in turn. Two kinds are held to at
-    most `max_skew` more requests in flight than the least busy: a *stalled* replica (requests
-    in flight, none answered for `stall_s`: a hung engine, a partitioned Space), and one that
-    failed and has not answered since (it starts level once it does: `_even`). The proxy also
-    gives up a stalled replica's requests and sends them to one that answers (`stalled`).
+    has answered the fewest so far (a deficit counts up to `catch_up` answers), then the least
+    busy, then in turn. Two kinds are held to at most `max_skew` more requests in flight than
+    the least busy: a *stalled* replica (requests in flight and no generation answered for the
+    stall wait: a hung engine, a partitioned Space), and one that failed and has not answered
+    since (it starts level once it does: `_even`). The proxy also gives up a request at a
+    replica that stalled on it and sends it to one that answers (`stalled`). The stall wait is
+    `stall_s` or 3x the longest of the last 64 generations, whichever is longer, so long
+    generations never count as a stall.
 
     Why answers, not least-outstanding: a replica is left out now and then (more than
     `max_staleness` versions behind the freshest while its sync runs) or generates slower (a
@@ -160,7 +165,9 @@ class Router:
     again (a bigger batch, which an engine runs at little extra cost per token) while the others
     keep the rest; in 3 local runs of 30 steps the busiest took 1.00-1.03x the mean. Why the
     bound for the stalled: a replica that takes requests and never answers has the fewest
-    answers, so it would otherwise draw every request in flight.
+    answers, so it would otherwise draw every request in flight. Why `catch_up`: a replica left
+    out for minutes (a restart, a slow sync) would otherwise draw every request until it had
+    answered as many as the others, leaving them idle.
 
     Args:
         upstreams: the replicas' base URLs, at least one, no duplicates.
@@ -169,9 +176,10 @@ class Router:
             request before it is tried again.
         max_skew: at least 1; how many more requests in flight a stalled or failed replica may
             hold than the least busy one, after the new one.
-        stall_s: how long a replica with requests in flight may go without answering before it
-            counts as stalled; longer than one generation takes (its requests are given up
-            only while another one answers, see `stalled`).
+        stall_s: the least time a replica with requests in flight may go without answering a
+            generation before it counts as stalled (see the class for the wait it sets).
+        catch_up: at least 1; the most answers a replica behind the others is sent first to
+            make up.
         clock: seconds, monotonic (tests pass a fake).
     """
 
@@ -183,12 +191,15 @@ class Router:
         cooldown_s: float = 5.0,
         max_skew: int = 2,
         stall_s: float = 10.0,
+        catch_up: int = 64,
         clock: Callable[[], float] = time.monotonic,
     ):
         if max_skew < 1:
             raise ValueError(f"max_skew must be at least 1, got {max_skew}")
         if not stall_s > 0:
             raise ValueError(f"stall_s must be > 0, got {stall_s}")
+        if catch_up < 1:
+            raise ValueError(f"catch_up must be at least 1, got {catch_up}")
         if isinstance(upstreams, str):
             raise TypeError("upstreams is a sequence of URLs, not one URL")
         urls = [u.rstrip("/") for u in upstreams]
@@ -199,6 +210,8 @@ class Router:
         self._cooldown_s = cooldown_s
         self._max_skew = max_skew
         self._stall_s = stall_s
+        self._catch_up = catch_up
+        self._took: deque[float] = deque(maxlen=64)  # the last generations' durations
         self._clock = clock
         self._turn = 0  # the position that wins the next tie
         self._generating: frozenset[str] | None = None  # last eligible set, to log changes
@@ -231,42 +244,52 @@ class Router:
         return replica.outstanding, (replica.position - self._turn) % len(self._replicas)
 
     def _best(self, ready: list[_Replica], now: float) -> _Replica:
-        """Fewest answers; a stalled replica, or one not answering since it failed, only
-        within `max_skew` of the least busy (see the class)."""
+        """Fewest answers (a deficit counted up to `catch_up`); a stalled replica, or one not
+        answering since it failed, only within `max_skew` of the least busy (see the class)."""
         floor = min(r.outstanding for r in ready)
+        wait = self._stall_wait()
         near = [
             r
             for r in ready
-            if r.outstanding < floor + self._max_skew
-            or not (r.failing or r.stalled(now, self._stall_s))
+            if r.outstanding < floor + self._max_skew or not (r.failing or r.stalled(now, wait))
         ]
+        top = max(r.share for r in self._replicas.values())
+        for r in near:  # a deficit beyond `catch_up` is not made up
+            r.forgiven += max(0, top - self._catch_up - r.share)
         return min(near, key=lambda r: (r.share, *self._busy(r)))
 
-    def stalled(self, url: str) -> str | None:
-        """Why a generation request in flight at `url` should be sent elsewhere instead, or
-        None: `url` has stalled while another replica that may take the request is idle or
-        answered within `stall_s`, which also keeps a hung replica from holding every request
-        in flight. While every other replica is busy without answering that recently (long
-        generations everywhere) none is given up."""
+    def _stall_wait(self) -> float:
+        """How long a replica may hold requests without answering one: `stall_s`, or 3x the
+        longest recent generation."""
+        return max(self._stall_s, 3 * max(self._took, default=0.0))
+
+    def stalled(self, url: str, since: float) -> str | None:
+        """Why the generation request sent to `url` at `since` (`started`'s time) should go to
+        another replica instead, or None. Given up when `url` has answered no generation since
+        then, the request is older than the stall wait (see the class), and another replica
+        that may take it (eligible, not cooling down or failing) is idle or answered a
+        generation within that wait. This keeps a hung replica from holding every request in
+        flight; while every replica is busy with generations longer than that, none is given
+        up."""
         now = self._clock()
         replica = self._replicas[url]
-        if not replica.stalled(now, self._stall_s):
+        wait = self._stall_wait()
+        if now - since < wait or (replica.answered_at or -math.inf) >= since:
             return None
         allowed = None if self._eligible is None else self._allowed()
-        others = [
+        takers = [
             r
             for r in self._replicas.values()
             if r is not replica
+            and not r.failing
             and r.cool_until <= now
             and (allowed is None or r.url in allowed)
-            and (
-                r.outstanding == 0  # idle: it takes the request now
-                or (r.answered_at is not None and now - r.answered_at < self._stall_s)
-            )
+            and r.answered_at is not None  # it has generated: not one that never came up
+            and (r.outstanding == 0 or now - r.answered_at < wait)
         ]
-        if not others:
+        if not takers:
             return None
-        return f"stalled (no answer for {now - replica.quiet_since:.0f} s)"
+        return f"stalled (a generation unanswered for {now - since:.0f} s)"
 
     def _even(self, back: _Replica) -> None:
         """A replica that answers again after failing starts level with the others: the requests
@@ -275,27 +298,41 @@ class Router:
         ahead = max(r.share for r in self._replicas.values())
         back.forgiven += ahead - back.share
 
-    def started(self, url: str) -> None:
-        """A request was sent to `url` (call `finished` when it ends, whatever happened)."""
+    def started(self, url: str) -> float:
+        """A request was sent to `url` (call `finished` when it ends, whatever happened); returns
+        when, for `stalled` and `finished`."""
+        now = self._clock()
         replica = self._replicas[url]
         if replica.outstanding == 0:
-            replica.quiet_since = self._clock()
+            replica.quiet_since = now
         replica.outstanding += 1
+        return now
 
     def finished(
-        self, url: str, *, failure: str | None, generated: bool = False, cancelled: bool = False
+        self,
+        url: str,
+        *,
+        failure: str | None,
+        generated: bool = False,
+        cancelled: bool = False,
+        since: float | None = None,
     ) -> None:
         """The request to `url` ended: `failure` says how it failed (refused, 5xx, ...), None if
         the upstream answered; `generated`: it was a generation answered with 2xx; `cancelled`:
-        the caller went away, which says nothing about the replica."""
+        the caller went away, which says nothing about the replica; `since`: when it was sent
+        (`started`'s return), for the generations' durations."""
         replica = self._replicas[url]
         replica.outstanding -= 1
         if cancelled:
             return
         if failure is None:
-            replica.quiet_since = replica.answered_at = self._clock()
-            replica.completions += generated
-            if replica.failing:
+            if generated:
+                now = self._clock()
+                replica.quiet_since = replica.answered_at = now
+                replica.completions += 1
+                if since is not None:
+                    self._took.append(now - since)
+            if replica.failing and generated:  # a read says nothing of its engine
                 replica.failing = False
                 self._even(replica)
                 log.info("rollout replica %s answers again", url)

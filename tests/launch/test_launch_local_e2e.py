@@ -218,9 +218,11 @@ def test_two_replicas_share_the_rollouts_and_serve_every_version_in_flat_time(tm
     router spreads the rollouts (the busiest at most 1.5x the mean; before, one took 1.4 %),
     every version has a commit-to-serving latency on every replica, and that latency does not
     grow over the run: the fleet's p50 over the last third of the versions is at most 1.2x the
-    first third's. 45 steps: each third's p50 is of 30 latencies (15 versions, 2 replicas); a
-    single sync on 2 busy cores varies 0.1-1 s, and a p50 of 4 (a 12-step run) failed one CI
-    run at 0.53 s against 0.30 s."""
+    first third's, plus 0.5 s for the noise of 2 busy cores. A sync there takes 0.1-1 s as the
+    CPU allows (a 0.01 s publish sometimes waits 2-3 s for a core), so on 45 steps (30
+    latencies a third) the bare 1.2x held in 12 of 14 runs, with the two others at 1.30x and
+    1.78x (0.23 s against 0.42 s), no trend in either; the growth this guards against was
+    queueing, 12.9 s to 17.3 s."""
     run = Launch(tmp_path, model_dir, "--replicas", "2", "--steps", "45")
     try:
         code = run.finish(DEADLINE_S)
@@ -252,4 +254,4 @@ def test_two_replicas_share_the_rollouts_and_serve_every_version_in_flat_time(tm
 
     first, last = fleet(timed[:third]), fleet(timed[-third:])
     print(f"; latency p50 first third {_median(first):.2f} s, last {_median(last):.2f} s", end="")
-    assert _median(last) <= 1.2 * _median(first), (first, last)
+    assert _median(last) <= 1.2 * _median(first) + 0.5, (first, last)

@@ -58,12 +58,15 @@ class Rollouts:
     """TRL's rollout worker in ticks of one second on `clock`: it keeps `inflight` generations
     in flight (`max_inflight_tasks`); each tick a replica answers all it holds, unless it is
     stuck until tick `stuck_until[url]` or answers only every `every[url]` ticks (a slower
-    one). Requests at a replica that has stalled are given up and sent again, as the proxy
+    one). Requests at a replica that stalled on them are given up and sent again, as the proxy
     does."""
 
     def __init__(self, router: Router, clock: Clock, inflight: int = 8) -> None:
         self.router, self.clock, self.inflight, self.tick = router, clock, inflight, 0
-        self.flying: list[str] = []
+        self.flying: list[tuple[str, float]] = []  # (replica, sent at)
+
+    def held(self, url: str) -> int:
+        return sum(u == url for u, _ in self.flying)
 
     def run(self, ticks: int, *, stuck_until: dict | None = None, every: dict | None = None):
         for _ in range(ticks):
@@ -71,17 +74,16 @@ class Rollouts:
             while len(self.flying) < self.inflight:
                 url = self.router.pick(generation=True)
                 assert isinstance(url, str), url
-                self.router.started(url)
-                self.flying.append(url)
-            for url in list(self.flying):  # the proxy gives up requests at a stalled one
-                if why := self.router.stalled(url):
-                    self.flying.remove(url)
-                    self.router.finished(url, failure=why)
-            for url in list(self.flying):
+                self.flying.append((url, self.router.started(url)))
+            for url, since in list(self.flying):
+                if why := self.router.stalled(url, since):
+                    self.flying.remove((url, since))
+                    self.router.finished(url, failure=why, since=since)
+            for url, since in list(self.flying):
                 answers = self.tick >= (stuck_until or {}).get(url, 0)
                 if answers and self.tick % (every or {}).get(url, 1) == 0:
-                    self.flying.remove(url)
-                    self.router.finished(url, failure=None, generated=True)
+                    self.flying.remove((url, since))
+                    self.router.finished(url, failure=None, generated=True, since=since)
             self.tick += 1
         return self.router.completions()
 
@@ -139,7 +141,7 @@ def test_a_stalled_replica_s_requests_go_to_the_other_and_it_starts_level_once_b
     not claim what A answered meanwhile) and the two share the rest."""
     rollouts = _rollouts(A, B, stall_s=3.0, cooldown_s=5.0)
     rollouts.run(3, stuck_until={B: 20})  # quiet for less than stall_s: B draws the requests
-    assert rollouts.flying.count(B) >= 7
+    assert rollouts.held(B) >= 7
     stuck = rollouts.run(17, stuck_until={B: 20})
     assert stuck[B] == 0 and stuck[A] >= 80, stuck  # of 136: rollouts went on at A
     settled = rollouts.run(10)  # its last cool-down, then it answers again
@@ -150,18 +152,70 @@ def test_a_stalled_replica_s_requests_go_to_the_other_and_it_starts_level_once_b
 
 
 def test_a_replica_left_out_for_a_while_makes_up_its_share_at_once():
-    """B generates nothing for 10 ticks (behind in versions, so not eligible): once it may
+    """B generates nothing for 6 ticks (behind in versions, so not eligible): once it may
     again, it is sent every request until it has answered about as many as A, and is never
-    taken for stalled while it answers (with a skew bound of 2 it lagged by 40 after 20 ticks)."""
+    taken for stalled while it answers (with a skew bound of 2 it stayed behind)."""
     eligible = {A, B}
     clock = Clock()
     rollouts = Rollouts(Router([A, B], lambda: eligible, clock=clock), clock)
     eligible.discard(B)
-    left_out = rollouts.run(10)
-    assert left_out[B] == 0 and left_out[A] >= 70
+    left_out = rollouts.run(6)
+    assert left_out[B] == 0 and left_out[A] >= 40
     eligible.add(B)
     done = rollouts.run(20)
     assert abs(done[A] - done[B]) <= 8, done
+
+
+def test_a_replica_back_after_a_long_absence_makes_up_at_most_catch_up_answers():
+    """B is left out for 100 ticks (800 answers behind): back, it is sent requests first only
+    until it has made up `catch_up` of them, then the two share again, so A is never left idle
+    for long."""
+    eligible = {A}
+    clock = Clock()
+    rollouts = Rollouts(Router([A, B], lambda: eligible, clock=clock, catch_up=16), clock)
+    rollouts.run(100)
+    eligible.add(B)
+    back = rollouts.run(4)
+    after = rollouts.run(10)
+    assert back[B] - 0 >= 16 and back[B] <= 16 + 8, back  # the 16 it may make up, then turns
+    assert after[A] - back[A] >= 30 and after[B] - back[B] >= 30, after
+    with pytest.raises(ValueError, match="catch_up"):
+        Router([A], catch_up=0)
+
+
+def test_long_generations_are_never_given_up():
+    """Generations of 12 s, sent a second apart, with `stall_s` 10: before any answer no replica
+    has shown it answers sooner, and once one has, the wait is 3x the longest generation."""
+    clock = Clock()
+    router = Router([A, B], clock=clock, stall_s=10.0)
+    sent_a = router.started(A)
+    clock.now += 1
+    sent_b = router.started(B)
+    clock.now += 10.5  # A's request is 11.5 s old, B has answered nothing yet
+    assert router.stalled(A, sent_a) is None
+    clock.now += 0.5
+    router.finished(B, failure=None, generated=True, since=sent_b)  # took 11 s: wait 33 s
+    assert router.stalled(A, sent_a) is None  # 12 s old, B idle: still within the wait
+    clock.now += 22
+    assert router.stalled(A, sent_a) is not None  # 34 s: longer than 3x any generation
+
+
+def test_only_a_replica_that_answers_generations_takes_a_stalled_one_s_request():
+    """A failed replica (refused, now out of its cool-down) takes nothing over; a read answered
+    does not make a replica look alive."""
+    clock = Clock()
+    router = Router([A, B], clock=clock, stall_s=10.0, cooldown_s=5.0)
+    sent_b = router.started(B)
+    router.finished(B, failure=None, generated=True, since=sent_b)  # B has generated once
+    router.started(B)
+    router.finished(B, failure="refused the connection")
+    sent_a = router.started(A)
+    clock.now += 20  # B is out of its cool-down, still failing; A quiet for 20 s
+    assert router.stalled(A, sent_a) is None
+    router.finished(A, failure=None, since=router.started(A))  # a read at A answered
+    assert router.stalled(A, sent_a) is None  # B still the only other: failing
+    router.finished(B, failure=None, generated=True, since=router.started(B))
+    assert router.stalled(A, sent_a) is not None  # B generates again: A's request moves
 
 
 def test_a_slower_replica_still_gets_about_its_share():
