@@ -163,7 +163,7 @@ class Router:
     run's rollouts, and with every replica's skew bounded by 2 the busiest still took up to
     1.8x the mean. Fewest answers first sends it what it missed as soon as it can take requests
     again (a bigger batch, which an engine runs at little extra cost per token) while the others
-    keep the rest; in 3 local runs of 30 steps the busiest took 1.00-1.03x the mean. Why the
+    keep the rest; in 9 local runs of 30-45 steps the busiest took 1.00-1.04x the mean. Why the
     bound for the stalled: a replica that takes requests and never answers has the fewest
     answers, so it would otherwise draw every request in flight. Why `catch_up`: a replica left
     out for minutes (a restart, a slow sync) would otherwise draw every request until it had
