@@ -11,7 +11,14 @@ from trl.experimental.async_grpo import AsyncGRPOConfig
 from .defaults import BUILT
 from .tiny_model import PRESETS, Preset, build_tiny_qwen3
 
-__all__ = ["build_config", "built_preset", "prepare_model"]
+__all__ = ["BUILT_CHAT", "build_config", "built_preset", "prepare_model"]
+
+# How a built model's turns are rendered: with Qwen3's empty think block in the generation
+# prompt. The template re-renders every earlier assistant turn with that block, so without it in
+# the prompt a turn the model wrote no longer prefixes the next turn's prompt: TRL then keeps the
+# whole tool call as context, untrained (25 tokens of drift a call), and GRPO could learn only
+# the few tokens that end the rollout, never which call to make.
+BUILT_CHAT = {"enable_thinking": False}
 
 
 def prepare_model(model: str, model_dir: str, *, seed: int = 0) -> str:
@@ -60,6 +67,7 @@ def build_config(
         # shared prompt prefix that was over 1000 samples (of short completions) per step.
         token_budget=0,
         max_completion_length=length,
+        chat_template_kwargs=dict(BUILT_CHAT) if preset else None,
         max_tool_calling_iterations=args.max_tool_calls,
         vllm_server_base_url=vllm_url,
         logging_steps=1,

@@ -50,6 +50,7 @@ class EnvReport:
         self.rewards: list[float] = []
         self.valid_calls: list[float] = []  # per step: successful tool calls per rollout
         self.spread = False  # some logged step had rewards that differed
+        self.realigned: list[float] = []  # per step: share of turn transitions TRL realigned
 
     def observe(self, logs: dict[str, Any]) -> None:
         for key, value in logs.items():
@@ -59,6 +60,9 @@ class EnvReport:
                     self.calls += int(count)
                 else:
                     self.failures += int(count)
+        realigned = _number(logs.get("rollout/realign_frac"))
+        if realigned is not None:
+            self.realigned.append(realigned)
         reward = _number(logs.get("reward"))
         if reward is not None:
             self.rewards.append(reward)
@@ -103,6 +107,13 @@ class EnvReport:
             found.append(
                 f"the reward never changed (always {self.rewards[0]:g} over {span}; source: "
                 f"{self.reward}): GRPO had nothing to learn from (echo-style servers send none)"
+            )
+        if self.realigned and (share := sum(self.realigned) / len(self.realigned)) > 0.1:
+            found.append(
+                f"{share:.0%} of the turns before a tool's reply were re-rendered otherwise than "
+                "the model wrote them (rollout/realign_frac): TRL keeps such a turn as context, "
+                "so its tool call is never trained; render the generation prompt as the chat "
+                "template renders earlier turns (trainer.config.BUILT_CHAT)"
             )
         return found
 

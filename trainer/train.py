@@ -366,7 +366,11 @@ def _train(args: argparse.Namespace) -> int:
     built = built_preset(model)
     if env is not None and (steps := _warmup_steps(args, built, env, weights, sharded)):
         result = warm_up(
-            trainer.accelerator.unwrap_model(trainer.model), tokenizer, env, steps=steps
+            trainer.accelerator.unwrap_model(trainer.model),
+            tokenizer,
+            env,
+            steps=steps,
+            chat_template_kwargs=config.chat_template_kwargs,
         )
         console.info("%s", result.line())
     trainer.add_callback(RewardCallback(rewards))

@@ -131,11 +131,18 @@ def _call_text(name: str, arguments: Mapping[str, Any]) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
-def warmup_examples(spec: EnvSpec, tokenizer: Any, count: int, *, seed: int = 0) -> list[Example]:
-    """Two examples per transcript, the call and the end of the turn after the reply (two
-    sequences: Qwen3's template re-renders an earlier turn with an empty think block, which
-    the model never writes itself), from `count` real sessions of `spec` reset on seeds from
-    `WARMUP_SEED` on."""
+def warmup_examples(
+    spec: EnvSpec,
+    tokenizer: Any,
+    count: int,
+    *,
+    seed: int = 0,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[Example]:
+    """Two examples per transcript, the call and the end of the turn after the reply, from
+    `count` real sessions of `spec` reset on seeds from `WARMUP_SEED` on, rendered as the
+    rollouts render them (`chat_template_kwargs`: for a built model, `trainer.config.BUILT_CHAT`).
+    """
     from transformers.utils.chat_template_utils import get_json_schema
 
     tokenizer, template = _renderer(tokenizer)
@@ -166,6 +173,7 @@ def warmup_examples(spec: EnvSpec, tokenizer: Any, count: int, *, seed: int = 0)
                 add_generation_prompt=True,
                 tools=tools,
                 chat_template=template,
+                **(chat_template_kwargs or {}),
             )
 
         call = tokenizer.encode(_call_text(tool.__name__, arguments), add_special_tokens=False)
@@ -234,10 +242,14 @@ def warm_up(
     transcripts: int = 128,
     batch: int = 8,
     seed: int = 0,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> WarmupResult:
-    """Train `model` in place for `steps` AdamW steps of `batch` transcripts."""
+    """Train `model` in place for `steps` AdamW steps of `batch` transcripts rendered with
+    `chat_template_kwargs`, as the rollouts render them."""
     started = time.monotonic()
-    examples = warmup_examples(spec, tokenizer, transcripts, seed=seed)
+    examples = warmup_examples(
+        spec, tokenizer, transcripts, seed=seed, chat_template_kwargs=chat_template_kwargs
+    )
     calls, ends = examples[0::2], examples[1::2]
     rng = random.Random(seed)
 

@@ -49,6 +49,17 @@ def test_a_reward_that_never_changes():
     assert _report(_step(0.0, 0.3, **calls), _step(0.0)).warnings() == []  # within a step
 
 
+def test_tool_calls_kept_as_context_are_named():
+    """A turn TRL re-renders otherwise than the model wrote it (Qwen3's think block) is kept as
+    untrained context: with most turns realigned, GRPO never trains a call."""
+    calls = {"tools/add/call_total": 4}
+    realigned = [_step(0.5, 0.5, **calls, **{"rollout/realign_frac": 1.0}) for _ in range(3)]
+    (warning,) = _report(*realigned).warnings()
+    assert warning.startswith("100% of the turns before a tool's reply were re-rendered")
+    clean = [_step(0.5, 0.5, **calls, **{"rollout/realign_frac": f}) for f in (0.0, 0.1, 0.0)]
+    assert _report(*clean).warnings() == []
+
+
 def test_a_class_without_tools_gets_no_tool_warning():
     assert _report(_step(1.0), _step(0.0), tools=()).warnings() == []
 

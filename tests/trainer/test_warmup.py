@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from trainer.config import BUILT_CHAT
 from trainer.env_spec import preflight, resolve
 from trainer.tiny_model import TOOL_CALL_PIECES, byte_level_tokenizer
 from trainer.warmup import WARMUP_SEED, _common_prefix, sample_arguments, warm_up, warmup_examples
@@ -95,6 +96,28 @@ def test_examples_are_real_turns_on_unseen_seeds(mcp_spec, built):
     assert len(ToolEnvironment.calls) == 6  # each call really ran against the server
     tasks = {task(WARMUP_SEED + 6 + i)[0] for i in range(6)}  # reset seeds past the dataset's
     assert all(any(t in tokenizer.decode(e.ids) for t in tasks) for e in examples[0::2])
+
+
+@pytest.mark.parametrize(("kwargs", "trained"), [(BUILT_CHAT, True), (None, False)])
+def test_a_built_model_s_call_is_trained_by_grpo(mcp_spec, built, kwargs, trained):
+    """TRL's own reconciler on a two-turn rollout of the call the warm-up teaches: rendered as a
+    built model's rollouts are (`BUILT_CHAT`), the next turn's prompt extends what the model
+    wrote and the call's tokens are trained; Qwen3's default rendering re-renders the call with
+    a think block the model never wrote, and TRL keeps it as untrained context."""
+    from trl.experimental.async_grpo.async_rollout_worker import TurnRecord, _chain_to_sequences
+
+    _, tokenizer = built
+    examples = warmup_examples(mcp_spec, tokenizer, 3, seed=2, chat_template_kwargs=kwargs)
+    for call, end in zip(examples[0::2], examples[1::2], strict=True):
+        ((start, stop),) = call.spans
+        written = call.ids[start:stop]
+        turns = [
+            TurnRecord(call.ids[:start], written, [0.0] * len(written)),
+            TurnRecord(end.ids[:-1], end.ids[-1:], [0.0]),
+        ]
+        (row,), tally = _chain_to_sequences(turns, "rollout", fork_threshold=1024)
+        assert sum(row.completion_mask) == (len(written) + 1 if trained else 1)
+        assert tally["realign"] == (0 if trained else 1)
 
 
 def test_the_warm_up_teaches_the_call_format(mcp_spec, built):
