@@ -77,10 +77,11 @@ def build_config(
         seed=args.seed,
         use_cpu=cpu,
         gradient_checkpointing=not cpu,
-        # On a CPU, vLLM generates faster than the trainer learns: keep the queue short so the
-        # trainer learns from the current policy instead of from minutes-old samples.
+        # On a CPU, vLLM generates faster than the trainer learns: keep the queue to one step's
+        # samples so the trainer learns from the current policy instead of from minutes-old
+        # ones (what waits to be scored: `trainer.cpu.score_one_group_ahead`).
         max_inflight_tasks=args.num_generations if cpu else -1,
-        queue_maxsize=2 * args.batch_size if cpu else 1024,
+        queue_maxsize=args.batch_size if cpu else 1024,
         max_staleness=1 if cpu else 4,
         dtype="float32",
     )

@@ -296,7 +296,7 @@ def _train(args: argparse.Namespace) -> int:
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     from .config import build_config, built_preset, prepare_model
-    from .cpu import enable_cpu_training
+    from .cpu import enable_cpu_training, score_one_group_ahead
 
     env = None if args.env == "sanity" else _environment(args)
     cpu = not torch.cuda.is_available()
@@ -377,6 +377,8 @@ def _train(args: argparse.Namespace) -> int:
     trainer.add_callback(_DrainRollouts(trainer))
     if trainer.rollout_worker is not None:
         _reap_failed_rollouts(trainer.rollout_worker)
+        if cpu:
+            score_one_group_ahead(trainer.rollout_worker)
     report = EnvReport(run_id, args.env, env.reward, env.tools) if env else None
     if report is not None:
         trainer.add_callback(_ReportCallback(report))
