@@ -172,8 +172,11 @@ def _payload_split(data: bytes) -> tuple[int, int]:
     return gaps, vals
 
 
-def _encode_delta(diff: Diff, sums, *, version: int, encoding: str) -> bytes:
-    """What the publisher does per version: move the full-state digest, encode the delta."""
+def _encode_delta(
+    diff: Diff, sums, *, version: int, encoding: str, base: dict[str, torch.Tensor] | None = None
+) -> bytes:
+    """What the publisher does per version: move the full-state digest, encode the delta
+    (`ctx` against the base version's tensors, as the publisher's snapshot holds them)."""
     digest = total(apply_changes(sums, diff.changes))
     return encode_delta(
         diff,
@@ -182,6 +185,7 @@ def _encode_delta(diff: Diff, sums, *, version: int, encoding: str) -> bytes:
         base_version=version - 1,
         state_digest=digest,
         encoding=encoding,
+        base=base,
     )
 
 
@@ -237,7 +241,7 @@ def run(args: argparse.Namespace) -> dict:
     info: dict = {}
     rows = []
     load0 = os.getloadavg()
-    snap = rep_ans = rep_packed = rep_coo = sums = None
+    snap = rep_ans = rep_ctx = rep_packed = rep_coo = sums = None
     model_bytes = 0
     for step, state in bf16_states(
         args.model,
@@ -255,9 +259,9 @@ def run(args: argparse.Namespace) -> dict:
             snap = Bf16Snapshot(_clone(state))
             sums = state_sums(state)
             anchor = encode_anchor(state, run_id=RUN_ID, version=1)  # versions start at 1
-            rep_packed, rep_ans = Replica(), Replica()
-            rep_packed.update(anchor)
-            rep_ans.update(anchor)
+            rep_packed, rep_ans, rep_ctx = Replica(), Replica(), Replica()
+            for replica in (rep_packed, rep_ans, rep_ctx):
+                replica.update(anchor)
             if not args.no_coo_apply:
                 rep_coo = Replica()
                 rep_coo.update(anchor)
@@ -270,12 +274,17 @@ def run(args: argparse.Namespace) -> dict:
             enc = partial(_encode_delta, diff, sums, version=step + 1)
             packed, enc_s, enc_cpu = _timed(partial(enc, encoding="packed"), args.repeat)
         ans, ans_enc_s, ans_enc_cpu = _timed(partial(enc, encoding="ans"), args.repeat)
+        ctx, ctx_enc_s, ctx_enc_cpu = _timed(
+            partial(enc, encoding="ctx", base=snap.tensors), args.repeat
+        )
         coo, coo_enc_s, _ = _timed(partial(enc, encoding="coo"), args.repeat)
         sums = apply_changes(sums, diff.changes)
         apply_first_s, stage_s, commit_s, apply_cpu = _update(rep_packed, packed, step, args.repeat)
         apply_s = stage_s + commit_s
         _, ans_stage_s, ans_commit_s, ans_apply_cpu = _update(rep_ans, ans, step, args.repeat)
         ans_apply_s = ans_stage_s + ans_commit_s
+        _, ctx_stage_s, ctx_commit_s, ctx_apply_cpu = _update(rep_ctx, ctx, step, args.repeat)
+        ctx_apply_s = ctx_stage_s + ctx_commit_s
         coo_apply_s = None
         if rep_coo is not None:
             _, c_stage, c_commit, _ = _update(rep_coo, coo, step, args.repeat)
@@ -324,6 +333,17 @@ def run(args: argparse.Namespace) -> dict:
             "ans_apply_gbps": model_bytes / 1e9 / ans_apply_s,
             "ans_encode_gb_per_cpu_s": model_bytes / 1e9 / (diff_cpu + ans_enc_cpu),
             "ans_apply_gb_per_cpu_s": model_bytes / 1e9 / ans_apply_cpu,
+            "ctx_bytes": len(ctx),
+            "ctx_bits": 8 * len(ctx) / k,
+            "ctx_vs_ans": len(ctx) / len(ans),
+            "ctx_vs_floor": 8 * len(ctx) / k / ent["floor"],
+            "ctx_encode_s": ctx_enc_s,
+            "ctx_apply_s": ctx_apply_s,
+            "ctx_encode_gbps": model_bytes / 1e9 / (diff_s + ctx_enc_s),
+            "ctx_codec_encode_gbps": model_bytes / 1e9 / ctx_enc_s,
+            "ctx_apply_gbps": model_bytes / 1e9 / ctx_apply_s,
+            "ctx_encode_gb_per_cpu_s": model_bytes / 1e9 / (diff_cpu + ctx_enc_cpu),
+            "ctx_apply_gb_per_cpu_s": model_bytes / 1e9 / ctx_apply_cpu,
             "diff_s": diff_s,
             "encode_s": enc_s,
             "coo_encode_s": coo_enc_s,
@@ -349,7 +369,8 @@ def run(args: argparse.Namespace) -> dict:
         }
         rows.append(row)
         print(
-            f"step {step}: density {100 * diff.density:.3f} %, ans {row['ans_bits']:.2f} / packed "
+            f"step {step}: density {100 * diff.density:.3f} %, ctx {row['ctx_bits']:.2f} "
+            f"({row['ctx_vs_ans']:.3f}x ans) / ans {row['ans_bits']:.2f} / packed "
             f"{row['packed_bits']:.2f} bits/changed (floor {ent['floor']:.2f}), diff {diff_s:.2f}s "
             f"encode ans {ans_enc_s:.2f}s / packed {enc_s:.2f}s, apply ans {ans_apply_s:.2f}s / "
             f"packed {apply_s:.2f}s",
@@ -357,7 +378,7 @@ def run(args: argparse.Namespace) -> dict:
             flush=True,
         )
         snap.advance(diff)
-        del diff, packed, coo, ans
+        del diff, packed, coo, ans, ctx
     return {
         "model": args.model,
         "shape": SHAPES[args.model].__dict__,
@@ -409,6 +430,25 @@ def markdown(res: dict) -> str:
             f"{r['ans_header_bytes'] / 1e3:.1f} | {r['ans_encode_gbps']:.2f} | "
             f"{r['ans_codec_encode_gbps']:.2f} | {r['ans_apply_gbps']:.2f} | "
             f"{r['encode_gbps']:.2f} | {r['apply_gbps']:.2f} |"
+        )
+    out += [
+        "",
+        "`ctx` (positions and value steps per exponent group of the base element) against `ans` "
+        "on the same steps:",
+        "",
+        "| step | density | ctx MB | ans MB | ctx/ans | ctx b/chg | ans b/chg | floor b/chg "
+        "(per tensor) | ctx/floor | ctx encode GB/s (diff+enc) | ctx encode GB/s (enc) | "
+        "ans encode GB/s (enc) | ctx decode+apply GB/s | ans decode+apply GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['step']} | {100 * r['density']:.2f} % | {_mb(r['ctx_bytes'])} | "
+            f"{_mb(r['ans_bytes'])} | {r['ctx_vs_ans']:.3f} | {r['ctx_bits']:.2f} | "
+            f"{r['ans_bits']:.2f} | {r['floor']:.2f} | {r['ctx_vs_floor']:.3f} | "
+            f"{r['ctx_encode_gbps']:.2f} | {r['ctx_codec_encode_gbps']:.2f} | "
+            f"{r['ans_codec_encode_gbps']:.2f} | {r['ctx_apply_gbps']:.2f} | "
+            f"{r['ans_apply_gbps']:.2f} |"
         )
     ans_med = {
         k: statistics.median(r[k] for r in rows)

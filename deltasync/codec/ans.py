@@ -21,7 +21,7 @@ from deltasync.kernels.boxes import Box, held_indices
 from deltasync.kernels.changes import WORKERS, TensorChange
 from deltasync.kernels.jit import compiled
 
-__all__ = ["decode_tensor", "encode_changes", "gap_raw_bits"]
+__all__ = ["decode_tensor", "encode_changes", "gap_raw_bits", "raw_bits_for"]
 
 
 def gap_raw_bits(indices: np.ndarray) -> int:
@@ -29,8 +29,12 @@ def gap_raw_bits(indices: np.ndarray) -> int:
     gap (0 for dense tensors)."""
     if indices.size == 0:
         return 0
-    mean = (int(indices[-1]) + 1) / indices.size - 1  # the gaps' sum is indices[-1] + 1 - size
-    return max(0, min(40, int(np.log2(mean + 1.0)) - 2))
+    return raw_bits_for((int(indices[-1]) + 1) / indices.size - 1)  # gaps sum to last + 1 - size
+
+
+def raw_bits_for(mean_gap: float) -> int:
+    """Raw low bits for gaps of mean `mean_gap`: `2**bits` near a quarter of it."""
+    return max(0, min(40, int(np.log2(mean_gap + 1.0)) - 2))
 
 
 @compiled

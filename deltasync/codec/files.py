@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import safetensors.torch
 import torch
 
-from deltasync.codec import ans, coo, packed
+from deltasync.codec import ans, coo, ctx, packed
 from deltasync.codec.virtual import source_tensors
 from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Boxes
@@ -44,10 +44,11 @@ __all__ = [
 
 _SUFFIXES = {
     "ans": (".gaps", ".vals"),
+    "ctx": (".ctx",),
     "packed": (".gaps", ".vals"),
     "coo": (".indices", ".values"),
 }
-_DTYPES = {"ans": ("U8", "U8"), "packed": ("U8", "U8"), "coo": ("I32", "BF16")}
+_DTYPES = {"ans": ("U8", "U8"), "ctx": ("U8",), "packed": ("U8", "U8"), "coo": ("I32", "BF16")}
 
 
 @runtime_checkable
@@ -63,6 +64,11 @@ class Gathering(Protocol):
 
     def gather(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         """A fresh CPU bf16 tensor of the values at flat int64 `indices` of tensor `name`."""
+        ...
+
+    def held(self, name: str) -> tuple[torch.Tensor, list[TensorChange]]:
+        """The tensor where it lives (not copied, not to be written) and the changes of
+        earlier staged deltas not yet in it, in order (what a `ctx` delta's classes see)."""
         ...
 
 
@@ -178,13 +184,15 @@ def encode_delta(
     state_digest: StateDigest,
     encoding: str = "ans",
     part: PartInfo | None = None,
+    base: Mapping[str, torch.Tensor] | None = None,
 ) -> bytes:
     """A sparse delta from `base_version` to `version`, with post-update digests of all tensors
     and of the whole state (`state_digest`: the base's moved by `state_hash.apply_changes`).
 
     With `part`, one part of a sharded version: `diff` holds the part's changes at global flat
     indices inside its rows, full shapes, no per-tensor digests, and `state_digest` is the
-    part's share of the version's digest."""
+    part's share of the version's digest. `ctx` codes against the base: `base` holds every
+    tensor at `base_version` (the part's rows of it)."""
     validate_run_id(run_id)
     if encoding not in ENCODINGS:
         raise FormatError(f"unknown encoding {encoding!r}; known: {', '.join(ENCODINGS)}")
@@ -212,6 +220,11 @@ def encode_delta(
     )
     if encoding == "coo":
         payload = coo.encode_changes(diff.changes, diff.shapes)
+    elif encoding == "ctx":
+        if base is None:
+            raise ValueError("the ctx encoding codes against the base: pass `base`")
+        rows = None if part is None else {n: part.rows[n] for n in diff.changes}
+        payload = ctx.encode_changes(diff.changes, base, diff.shapes, rows)
     else:
         payload = (ans if encoding == "ans" else packed).encode_changes(diff.changes)
     return safetensors.torch.save(payload, metadata=meta.to_strings())
@@ -384,9 +397,10 @@ def _check_anchor_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> None
 
 def _check_delta_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> list[str]:
     """The changed tensor names, once key set, dtypes and 1-D shapes match the encoding."""
-    first, second = _SUFFIXES[meta.encoding]
+    suffixes = _SUFFIXES[meta.encoding]
+    first = suffixes[0]
     names = [k[: -len(first)] for k in infos if k.endswith(first)]
-    expected = {k for n in names for k in (n + first, n + second)}
+    expected = {n + suffix for n in names for suffix in suffixes}
     if set(infos) != expected:
         raise FormatError(
             f"unexpected keys for encoding {meta.encoding}: {sorted(set(infos) ^ expected)[:5]}"
@@ -397,7 +411,7 @@ def _check_delta_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> list[
             f"changed tensors {sorted(set(names) ^ declared)[:5]} disagree with metadata"
         )
     for name in names:
-        for suffix, dtype in zip((first, second), _DTYPES[meta.encoding], strict=True):
+        for suffix, dtype in zip(suffixes, _DTYPES[meta.encoding], strict=True):
             info = infos[name + suffix]
             if info.dtype != dtype or len(info.shape) != 1:
                 raise FormatError(
@@ -437,6 +451,18 @@ def _decode_one(
             module = ans if meta.encoding == "ans" else packed
             gaps, vals = tensors[f"{name}.gaps"], tensors[f"{name}.vals"]
             change = module.decode_tensor(gaps, vals, entry.changed, target, offset=offset, box=box)
+        elif meta.encoding == "ctx":
+            rows = None if meta.part is None else meta.part.rows[name]
+            blob = tensors[f"{name}.ctx"]
+            if gathering is not None:  # classes and ranks where the base lives
+                held, staged = gathering.held(name)
+                change = ctx.decode_on_device(
+                    blob, entry.changed, held, entry.shape, staged=staged, rows=rows, box=box
+                )
+            else:
+                change = ctx.decode_tensor(
+                    blob, entry.changed, target, entry.shape, rows=rows, offset=offset, box=box
+                )
         else:
             indices = tensors[f"{name}.indices"]
             if indices.numel() != entry.changed:

@@ -52,8 +52,9 @@ class PublisherConfig:
         takeover: continue the run the bucket holds under `run_id` from its last committed
             version. The takeover is itself a commit (the same versions, the next epoch), so a
             publisher still writing the run fails its next commit (`Fenced`).
-        encoding: delta encoding: `ans` (default, within 1 % of the entropy floor), `packed`
-            (the encoding before it) or `coo` (TRL v1 interoperable).
+        encoding: delta encoding: `ans` (default, within 1 % of the entropy floor), `ctx`
+            (about 0.7x of `ans`, coded per exponent group of the base element), `packed` (the
+            encoding before `ans`) or `coo` (TRL v1 interoperable).
         policy: when to write anchors and how many to keep.
         queue_size: versions that may wait for upload before `publish` blocks (back-pressure).
         write_metrics: write each version's metrics record after its commit. A caller that
@@ -480,6 +481,7 @@ class Publisher:
                 state_digest=digest,
                 encoding=cfg.encoding,
                 part=part,
+                base=snapshot.tensors,  # the base version's (host mirror)
             )
             t1 = time.perf_counter()
             delta = self._put(job, data, "delta", digest)

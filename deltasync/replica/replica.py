@@ -249,6 +249,15 @@ class _GatheredAfter(_StateAfter):
     def shape_of(self, name: str) -> tuple[int, ...]:
         return self._base.shape_of(name)
 
+    def held(self, name: str) -> tuple[torch.Tensor, list[TensorChange]]:
+        held, staged = self._base.held(name)
+        for file in self._files:
+            if name in file.after:  # a whole tensor made on the host: that is the base now
+                held, staged = file.after[name], []
+            elif name in file.decoded.changes:
+                staged = [*staged, file.decoded.changes[name]]
+        return held, staged
+
     def gather(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         values = self._base.gather(name, indices)
         for file in self._files:

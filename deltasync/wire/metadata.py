@@ -33,14 +33,15 @@ __all__ = [
     "validate_run_id",
 ]
 
-PROTOCOL = "deltasync/5"  # bump on any change of the wire format (bucket_layout.md)
+PROTOCOL = "deltasync/6"  # bump on any change of the wire format (bucket_layout.md)
 # 1: before the full-state digest; 2: before sharded versions (part files); 3: before `ans`
-# deltas and virtual anchors; 4: before publisher fencing (the manifest's epoch and previous)
-READABLE_PROTOCOLS = ("deltasync/1", "deltasync/2", "deltasync/3", "deltasync/4", PROTOCOL)
+# deltas and virtual anchors; 4: before publisher fencing (the manifest's epoch and previous);
+# 5: before `ctx` deltas
+READABLE_PROTOCOLS = (*(f"deltasync/{n}" for n in range(1, 6)), PROTOCOL)
 _PROTOCOL = re.compile(r"deltasync/([1-9][0-9]{0,5})")
-ENCODINGS = ("ans", "packed", "coo")  # delta encodings; anchors are "full"
+ENCODINGS = ("ans", "ctx", "packed", "coo")  # delta encodings; anchors are "full"
 Kind = Literal["anchor", "delta"]
-Encoding = Literal["full", "virtual", "coo", "packed", "ans"]
+Encoding = Literal["full", "virtual", "coo", "packed", "ans", "ctx"]
 ANCHOR_ENCODINGS = ("full", "virtual")  # virtual: the weights are read from a named checkpoint
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEX128 = re.compile(r"[0-9a-f]{32}")
@@ -182,6 +183,8 @@ class FileMetadata:
             out |= {"format": "deltasync_packed", "packed": "leb128-gap+zigzag-bitdiff/zstd"}
         elif self.encoding == "ans":
             out |= {"format": "deltasync_ans", "ans": "rans14-gap+zigzag-bitdiff"}
+        elif self.encoding == "ctx":
+            out |= {"format": "deltasync_ctx", "ctx": "exponent-groups/tiles/rans14"}
         elif self.encoding == "virtual":  # no loader may take it for a checkpoint: it holds none
             if self.source is None:
                 raise ValueError("a virtual anchor names its model source")
@@ -217,9 +220,10 @@ class FileMetadata:
                 raise FormatError(f"unsupported state digest {algorithm!r}", path=path)
             state_digest = StateDigest.parse(meta.get("state_digest"), path=path)
         kind = _choice(meta, "kind", ("anchor", "delta"), path)
-        encodings = (
-            (ANCHOR_ENCODINGS if protocol >= 4 else ("full",)) if kind == "anchor" else ENCODINGS
-        )
+        if kind == "anchor":
+            encodings = ANCHOR_ENCODINGS if protocol >= 4 else ("full",)
+        else:
+            encodings = ENCODINGS if protocol >= 6 else tuple(e for e in ENCODINGS if e != "ctx")
         encoding = _choice(meta, "encoding", encodings, path)
         version = _int(meta, "model_version", path, minimum=1)
         base = _int(meta, "base_version", path, minimum=0) if kind == "delta" else None

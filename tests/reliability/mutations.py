@@ -87,6 +87,7 @@ META_STRINGS = st.one_of(
             "full",
             "packed",
             "ans",
+            "ctx",
             "coo",
             "xxh3-64",
             "True",
@@ -301,14 +302,20 @@ def _tensors_edit(draw, raw: str, kind: str) -> str:
 
 @st.composite
 def payload_edit(draw, blob: bytes) -> bytes:
-    """A payload tensor replaced: random zstd frames (packed), rANS streams (ans) or random
-    index arrays (coo)."""
+    """A payload tensor replaced: random zstd frames (packed), rANS streams (ans, ctx), a ctx
+    blob's group header rewritten, or random index arrays (coo)."""
     header, data = split(blob)
     keys = sorted(k for k in header if k != "__metadata__")
     if not keys:
         return blob
     key = draw(st.sampled_from(keys))
-    if key.endswith((".gaps", ".vals")):
+    if key.endswith(".ctx") and draw(st.booleans()):  # its header rewritten, streams kept
+        original = bytes(data[slice(*header[key]["data_offsets"])])
+        groups = draw(st.integers(0, 300))
+        cuts = draw(st.lists(st.integers(0, 255), max_size=4))
+        payload = bytes(_leb128(groups)) + bytes(cuts) + original[1 + len(cuts) :]
+        return replace_tensor(header, data, key, "U8", [len(payload)], payload)
+    if key.endswith((".gaps", ".vals", ".ctx")):
         choice = draw(st.sampled_from(["zstd_random", "zstd_leb", "rans", "raw", "empty"]))
         if choice == "rans":  # a valid stream of other integers, or another count
             values = draw(st.lists(st.integers(0, 2**20) | st.integers(0, 40), max_size=40))

@@ -1,7 +1,7 @@
-"""Fuzzing deltas (`ans`, `packed`, `coo`) and anchors made by the real library: hostile files are
-refused with a `DeltaSyncError` and change nothing; a mutation that stays valid yields exactly
-the state the file's digests promise (anchors: every tensor; deltas: the full-state digest, and
-the whole state bitwise equal to the real next version)."""
+"""Fuzzing deltas (`ans`, `ctx`, `packed`, `coo`) and anchors made by the real library: hostile
+files are refused with a `DeltaSyncError` and change nothing; a mutation that stays valid yields
+exactly the state the file's digests promise (anchors: every tensor; deltas: the full-state
+digest, and the whole state bitwise equal to the real next version)."""
 
 from __future__ import annotations
 
@@ -95,6 +95,12 @@ def test_fuzz_ans_delta(blob: bytes) -> None:
 
 
 @FUZZ
+@given(blob=file_mutation(CHAIN.deltas["ctx", 2]))
+def test_fuzz_ctx_delta(blob: bytes) -> None:
+    _delta_fuzz(blob)
+
+
+@FUZZ
 @given(blob=file_mutation(CHAIN.deltas["coo", 2]))
 def test_fuzz_coo_delta(blob: bytes) -> None:
     _delta_fuzz(blob)
@@ -115,6 +121,7 @@ def test_fuzz_anchor(blob: bytes, start: int | None) -> None:
 
 SOURCES = {
     "ans": CHAIN.deltas["ans", 2],
+    "ctx": CHAIN.deltas["ctx", 2],
     "packed": CHAIN.deltas["packed", 2],
     "coo": CHAIN.deltas["coo", 2],
     "anchor": CHAIN.anchors[3],
@@ -148,7 +155,7 @@ def test_fuzz_codec_decode_and_read_metadata(data, source: str) -> None:
     assert bitwise_equal(base, CHAIN.states[1])
 
 
-@pytest.mark.parametrize("encoding", ["ans", "packed", "coo"])
+@pytest.mark.parametrize("encoding", ["ans", "ctx", "packed", "coo"])
 def test_unmutated_files_are_accepted(encoding: str) -> None:
     """The fuzzers start from valid files: the harness itself must accept them."""
     replica = replica_at(CHAIN, 1)

@@ -76,7 +76,7 @@ def build_chain(
     deltas = {}
     for v in range(2, versions + 1):
         diff = Bf16Snapshot({n: t.clone() for n, t in states[v - 1].items()}).diff(states[v])
-        for encoding in ("ans", "packed", "coo"):
+        for encoding in ("ans", "ctx", "packed", "coo"):
             deltas[encoding, v] = encode_delta(
                 diff,
                 run_id=run_id,
@@ -84,6 +84,7 @@ def build_chain(
                 base_version=v - 1,
                 state_digest=full_state_digest(states[v]),
                 encoding=encoding,
+                base=states[v - 1],
             )
     return Chain(run_id, states, anchors, deltas)
 

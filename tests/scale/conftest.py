@@ -12,9 +12,13 @@ from fsdp_runs import INTERMEDIATE, SCRIPT, VOCAB, torchrun
 
 @pytest.fixture(scope="session")
 def sharded_run(tmp_path_factory) -> Path:
-    """`bucket/` (11 versions: the initial weights and 10 steps) and `exp/<version>.safetensors`."""
+    """`bucket/` (11 versions: the initial weights and 10 steps, `ctx` deltas) and
+    `exp/<version>.safetensors`. (The MoE run below writes `ans` deltas.)"""
     root = tmp_path_factory.mktemp("fsdp")
-    torchrun("--bucket", str(root / "bucket"), "--steps", "10", "--expected", str(root / "exp"))
+    torchrun(
+        "--bucket", str(root / "bucket"), "--steps", "10", "--expected", str(root / "exp"),
+        "--encoding", "ctx",
+    )  # fmt: skip
     return root
 
 

@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--crash-version", type=int)
     parser.add_argument("--fail-instead", action="store_true", help="raise instead of dying")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--encoding", default="ans", help="the publisher's delta encoding")
     parser.add_argument("--report", help="JSON file: per-rank memory and timings")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -131,6 +132,7 @@ def main() -> None:
             interval=args.anchor_interval, max_delta_fraction=None, keep_anchors=args.keep_anchors
         ),
         takeover=args.resume,
+        encoding=args.encoding,
     )
     shards = ShardGroup()
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -42,6 +42,7 @@ def test_ranks_publish_parts_that_replay_bitwise_at_every_version(sharded_run):
         assert entry.parts is not None and len(entry.parts) == 2
         assert entry.path is None and entry.bytes == sum(p.bytes for p in entry.parts)
     assert [a.version for a in manifest.anchors] == [1, 5, 9]  # sharded anchors as well
+    assert {d.encoding for d in manifest.deltas} == {"ctx"}  # coded per rank's rows
     assert_replays_bitwise(sharded_run / "bucket", sharded_run / "exp", range(1, 12))
     cli = subprocess.run(
         [sys.executable, "-m", "deltasync", "verify", str(sharded_run / "bucket"), "--quiet"],

@@ -79,6 +79,10 @@ class _HostCopies(Mapping[str, torch.Tensor]):
     def shape_of(self, name: str) -> tuple[int, ...]:
         return tuple(self._views[name].shape)
 
+    def held(self, name: str) -> tuple[torch.Tensor, list]:
+        """The parameter's view on its device (a `ctx` delta ranks it there, chunk by chunk)."""
+        return self._views[name].detach(), []
+
     def gather(self, name: str, indices: torch.Tensor) -> torch.Tensor:
         """A fresh host tensor of the parameter's values at flat `indices`, selected on its
         device one chunk at a time (at most `chunk` indices and values there at once)."""

@@ -1,4 +1,4 @@
-"""Both delta encodings round-trip bitwise for arbitrary shapes, change sets and bit patterns."""
+"""Every delta encoding round-trips bitwise for arbitrary shapes, change sets and bit patterns."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.int16).numpy()
 
 
-@pytest.mark.parametrize("encoding", ["ans", "packed", "coo"])
+@pytest.mark.parametrize("encoding", ["ans", "ctx", "packed", "coo"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=change_sets())
 def test_delta_round_trips_bitwise(encoding, data):
@@ -75,7 +75,13 @@ def test_delta_round_trips_bitwise(encoding, data):
     diff = snapshot.diff(new)
     digest = full_state_digest(new)
     blob = encode_delta(
-        diff, run_id="run", version=2, base_version=1, state_digest=digest, encoding=encoding
+        diff,
+        run_id="run",
+        version=2,
+        base_version=1,
+        state_digest=digest,
+        encoding=encoding,
+        base=old,  # what `ctx` codes against (the others ignore it)
     )
     decoded = decode(blob, base=old)
     for name in old:

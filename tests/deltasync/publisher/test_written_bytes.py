@@ -1,6 +1,8 @@
 """The publisher writes the same bytes as before its two pipelines became one: every file name
 and every byte of a run's files (full and virtual anchors, deltas of each encoding, per-tensor
-digests), pinned as digests recorded by the code that wrote them first.
+digests), pinned as digests recorded by the code that wrote them first. Re-pinned at protocol 6,
+whose files differ only in their `protocol` key (the same run written under protocol 5 gave the
+earlier pins); `ctx` deltas pinned since.
 
 safetensors writes the metadata's keys in a per-process order (a Rust HashMap), so a file's
 pinned digest is taken over its header with sorted keys and its data bytes; its name must hold
@@ -68,7 +70,7 @@ def _canonical_digest(data: bytes, source: ModelSource | None) -> str:
 
 
 def test_full_anchor_and_deltas_of_each_encoding(tmp_path):
-    for encoding in ("ans", "packed", "coo"):
+    for encoding in ("ans", "ctx", "packed", "coo"):
         assert _written(tmp_path, encoding) == EXPECTED[encoding], encoding
 
 
@@ -81,35 +83,43 @@ def test_a_virtual_first_anchor(tmp_path):
 
 EXPECTED: dict[str, dict[str, str]] = {
     "ans": {
-        "anchors/1": "3ed09785f8317777409063a456bc36d2",
-        "anchors/4": "7660d23ceef2bd0b8bb178ad28474870",
-        "deltas/2": "b26314ff6c5c6924ca2d1b5b2164c362",
-        "deltas/3": "fe87eeca90c5000f29515ad30d1cf67b",
-        "deltas/4": "7a2be4d397c43fe63cdcf04e08c40d05",
-        "deltas/5": "347a093eeb3b5b88935e09ecb2dcbe89",
+        "anchors/1": "1e54247e4538ae42743db01f324248e2",
+        "anchors/4": "9968e73eca49b8614b4e9b70cc09d153",
+        "deltas/2": "19aefd438deb75cbcf3af2bf8519c701",
+        "deltas/3": "99cc1a2d54e6b22df6516c6f139c68d2",
+        "deltas/4": "d50d0f6571656e4af4fe792c07de29e4",
+        "deltas/5": "35bb479e47f89bc184276597a5cf2957",
     },
     "coo": {
-        "anchors/1": "3ed09785f8317777409063a456bc36d2",
-        "anchors/4": "7660d23ceef2bd0b8bb178ad28474870",
-        "deltas/2": "3d588bd060d77375c904d9ac8c4f5cc2",
-        "deltas/3": "4a1eff0506dd38d26659bf1b498ed2d9",
-        "deltas/4": "920cae425c3480be43dad9cf76daf882",
-        "deltas/5": "ef6447c75369b122f9e532c721d54fa2",
+        "anchors/1": "1e54247e4538ae42743db01f324248e2",
+        "anchors/4": "9968e73eca49b8614b4e9b70cc09d153",
+        "deltas/2": "3faf7be0f77e424c0c936018f8995236",
+        "deltas/3": "e2eaa601b1b6fb151b3bdfb3dedbfa29",
+        "deltas/4": "b7743d463f66535a977d13b3b9324b6a",
+        "deltas/5": "37a5128e34491cf38172bdc0e31e4120",
+    },
+    "ctx": {
+        "anchors/1": "1e54247e4538ae42743db01f324248e2",
+        "anchors/4": "9968e73eca49b8614b4e9b70cc09d153",
+        "deltas/2": "8c59886dbb50f2e3d87fb6db9ed71403",
+        "deltas/3": "9f7054352d10e41f480bc12371298739",
+        "deltas/4": "3c17000155beed14e5748950453ffe29",
+        "deltas/5": "83296c184d92945f3d5ea1cd67cad0e9",
     },
     "packed": {
-        "anchors/1": "3ed09785f8317777409063a456bc36d2",
-        "anchors/4": "7660d23ceef2bd0b8bb178ad28474870",
-        "deltas/2": "a6655f081c3da709e7004ddd0a9f2c83",
-        "deltas/3": "67845b63b8d153b70642b463b17122b2",
-        "deltas/4": "b4b36936e5540ed49df8a227440fbc85",
-        "deltas/5": "2f68ea08028e2ab4b9f5faf4b6993b14",
+        "anchors/1": "1e54247e4538ae42743db01f324248e2",
+        "anchors/4": "9968e73eca49b8614b4e9b70cc09d153",
+        "deltas/2": "0b8f05a0be432d9fb56c3dae238493d0",
+        "deltas/3": "4bf8f4c8e99c8cba3a8272564ac07577",
+        "deltas/4": "163cabb45bdab1c24154c49bb270ba57",
+        "deltas/5": "c4d3b7cfe1bfbf0591f93b17d5ed06ea",
     },
     "virtual": {
-        "anchors/1": "5ea3e5a2109916fb0e6993f7a23c8527",
-        "anchors/4": "7660d23ceef2bd0b8bb178ad28474870",
-        "deltas/2": "b26314ff6c5c6924ca2d1b5b2164c362",
-        "deltas/3": "fe87eeca90c5000f29515ad30d1cf67b",
-        "deltas/4": "7a2be4d397c43fe63cdcf04e08c40d05",
-        "deltas/5": "347a093eeb3b5b88935e09ecb2dcbe89",
+        "anchors/1": "c38c14a569fc2cccc9164368c0e8e1bd",
+        "anchors/4": "9968e73eca49b8614b4e9b70cc09d153",
+        "deltas/2": "19aefd438deb75cbcf3af2bf8519c701",
+        "deltas/3": "99cc1a2d54e6b22df6516c6f139c68d2",
+        "deltas/4": "d50d0f6571656e4af4fe792c07de29e4",
+        "deltas/5": "35bb479e47f89bc184276597a5cf2957",
     },
 }

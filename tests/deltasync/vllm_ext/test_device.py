@@ -147,6 +147,27 @@ def test_delta_writes_only_the_changed_elements(bucket, monkeypatch):
     _assert_served(standin, replica, trainer)
 
 
+def test_ctx_deltas_are_ranked_on_the_device_two_staged_at_once(bucket):
+    """A `ctx` delta needs every base element's class: the sink computes classes and ranks
+    where the parameters live, chunk by chunk (here 4096 elements), and copies only the changed
+    values to the host; the second of two deltas staged together sees the first's new values."""
+    trainer, standin = _trainer(), StandInQwen3(tiny_qwen3_config(300))
+    replica = Replica(InPlaceSink(standin, standin_layout(standin.config), chunk=4096))
+    with _publisher(bucket, encoding="ctx", interval=8) as publisher:
+        _apply(replica, bucket, publisher.publish(trainer).result(timeout=60).anchor_path)
+        records = []
+        for seed in (1, 2):
+            _step(trainer, 1e-2, seed)
+            records.append(publisher.publish(trainer).result(timeout=60))
+    assert {r.encoding for r in records} == {"ctx"}
+    copied = replica.sink.host_bytes
+    staged = replica.stage([(bucket.get(r.delta_path), None) for r in records])
+    assert replica.sink.host_bytes - copied <= 2 * 2 * sum(r.changed_elements for r in records)
+    replica.commit(staged)
+    assert replica.version == 3
+    _assert_served(standin, replica, trainer)
+
+
 def test_stage_changes_nothing_and_checks_digests(bucket):
     trainer, standin = _trainer(), StandInQwen3(tiny_qwen3_config(300))
     replica = Replica(InPlaceSink(standin, standin_layout(standin.config)))

@@ -2,7 +2,8 @@
 
 One server (module fixture) is started late, against a bucket already at version 15, through
 `python -m deltasync.vllm_ext.serve`; the trainer then keeps publishing real AdamW steps of a tiny
-Qwen3 (anchors and deltas, both encodings) and drives the server like the trainer's weight
+Qwen3 (anchors and deltas: `ctx` up to version 15, so the cold start replays `ctx` deltas from the
+last anchor, then `packed`, `coo` and `ctx` in turn) and drives the server like the trainer's weight
 transfer does. Loopback only; the server's process tree is always stopped.
 """
 
@@ -52,7 +53,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0)
         self.generator = torch.Generator().manual_seed(0)
         self.store = open_store(self.bucket)
-        self.encoding = "packed"
+        self.encoding = "ctx"
         self.publisher = self._publisher()
         self.records: list[SyncRecord] = []
 
@@ -212,13 +213,13 @@ def _sync(served: Served, record: SyncRecord) -> None:
 def test_late_replica_serves_version_15_bitwise(served):
     manifest = read_manifest(served.trainer.store)
     assert manifest.latest_version == 15
+    assert {d.encoding for d in manifest.deltas} == {"ctx"}
     _assert_serves(served, 15)
     status = served.client.status()
     assert status["run_id"] == RUN_ID and status["path"] == "ShadowSink"
     assert status["state_digest"] == manifest.deltas[-1].state_digest
-    assert status["last_update"]["files"][0].startswith(
-        f"runs/{RUN_ID}/anchors/"
-    )  # anchor + replay
+    files = status["last_update"]["files"]
+    assert files[0].startswith(f"runs/{RUN_ID}/anchors/") and len(files) > 1  # anchor + replay
     assert status["last_update"]["swapped"] is False  # vLLM's loader fills an empty replica
 
 
@@ -285,7 +286,7 @@ def test_twenty_syncs_bitwise_and_greedy(served):
     trainer = served.trainer
     kinds, encodings, outputs = [], [], set()
     for i in range(22):
-        trainer.use_encoding("coo" if (i // 5) % 2 else "packed")
+        trainer.use_encoding(("packed", "coo", "ctx")[(i // 5) % 3])
         trainer.step()
         record = trainer.publish()
         kinds.append(record.kind)
@@ -302,7 +303,7 @@ def test_twenty_syncs_bitwise_and_greedy(served):
     assert len(outputs) > 1
     assert served.ties <= 0.05 * served.tokens, (served.ties, served.tokens)
     assert {"delta", "delta+anchor"} <= set(kinds)
-    assert {"packed", "coo"} <= set(encodings)
+    assert {"packed", "coo", "ctx"} <= set(encodings)
     densities = [r.changed_elements / r.total_elements for r in trainer.records[-22:]]
     assert max(densities) < 0.9  # sparse deltas, not full rewrites
 

@@ -8,6 +8,7 @@ import pytest
 
 from deltasync.errors import ChainError, FormatError
 from deltasync.wire.manifest import ChainEntry, Manifest, file_path
+from deltasync.wire.metadata import PROTOCOL
 from deltasync.wire.policy import AnchorPolicy
 
 
@@ -76,7 +77,7 @@ def test_version_must_follow():
     [
         lambda m: m.pop("run_id"),
         lambda m: m.update(extra=1),
-        lambda m: m.update(protocol="deltasync/6"),
+        lambda m: m.update(protocol=f"deltasync/{int(PROTOCOL.split('/')[1]) + 1}"),
         lambda m: m.update(latest_version="7"),
         lambda m: m.update(latest_version=99),
         lambda m: m["deltas"].pop(1),

@@ -1,4 +1,4 @@
-"""Protocol versions: files of protocols 1-4 written by earlier code still read, bitwise; a
+"""Protocol versions: files of protocols 1-5 written by earlier code still read, bitwise; a
 newer file or manifest is refused with one line naming both versions."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ FIXTURES = Path(__file__).parents[2] / "fixtures" / "protocol-1"
 FIXTURES_2 = Path(__file__).parents[2] / "fixtures" / "protocol-2"
 FIXTURES_3 = Path(__file__).parents[2] / "fixtures" / "protocol-3"
 FIXTURES_4 = Path(__file__).parents[2] / "fixtures" / "protocol-4"
+FIXTURES_5 = Path(__file__).parents[2] / "fixtures" / "protocol-5"
 NEWER = f"deltasync/{int(PROTOCOL.split('/')[1]) + 1}"
 
 
@@ -168,3 +169,39 @@ def test_protocol_4_ans_bucket_replays_and_is_taken_over(tmp_path):
     after = read_manifest(store)
     assert (after.protocol, after.epoch, after.latest_version) == (PROTOCOL, 1, 5)
     assert replica.sync(store) == [5]
+
+
+def test_protocol_5_bucket_replays_and_a_newer_publisher_writes_ctx_under_protocol_6(tmp_path):
+    """`ans` files and the fenced manifest of protocol 5 replay with their state digests; a
+    takeover goes on under protocol 6 with a `ctx` delta, which the replica applies bitwise."""
+    shutil.copytree(FIXTURES_5 / "bucket-ans", tmp_path / "bucket")
+    store = open_store(str(tmp_path / "bucket"))
+    manifest = read_manifest(store)
+    assert (manifest.protocol, manifest.epoch, manifest.latest_version) == ("deltasync/5", 1, 4)
+    replica = Replica()
+    for entry in (min(manifest.anchors, key=lambda a: a.version), *manifest.deltas):
+        assert replica.update(fetch_entry(store, entry), path=entry.label)
+        assert replica.state_digest.hex() == entry.state_digest
+    config = PublisherConfig(
+        run_id="fixture-v5", write_metrics=False, takeover=True, encoding="ctx"
+    )
+    state = {n: t.clone() for n, t in replica.tensors.items()}
+    state["embed.weight"][3] += 1
+    with Publisher(store, config) as publisher:
+        assert publisher.publish(state).result(timeout=60).version == 5
+    after = read_manifest(store)
+    assert (after.protocol, after.epoch, after.deltas[-1].encoding) == (PROTOCOL, 2, "ctx")
+    assert replica.sync(store) == [5]
+    assert all(
+        torch.equal(replica.tensors[n].view(torch.int16), t.view(torch.int16))
+        for n, t in state.items()
+    )
+
+
+def test_a_protocol_5_file_naming_ctx_is_refused():
+    delta = next((FIXTURES_5 / "bucket-ans").rglob("00000002-*.safetensors"))
+    parsed = ParsedFile.parse(delta.read_bytes())
+    metadata = parsed.header.metadata | {"encoding": "ctx", "format": "deltasync_ctx"}
+    blob = safetensors.torch.save(safetensors.torch.load(delta.read_bytes()), metadata=metadata)
+    with pytest.raises(FormatError, match="encoding"):
+        ParsedFile.parse(blob)
