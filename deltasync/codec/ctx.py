@@ -93,51 +93,40 @@ _NONE = 1 << 62  # a skip count that never runs out: the (tile, group) has no ch
 
 @compiled
 def _skip_pass(
-    base, base_r0, r0, r1, cols, h, w, lut, groups, idx, group, tile, skip, entry
+    base, base_r0, r0, r1, cols, h, w, lut, groups, idx, group, tile, skip
 ):  # pragma: no cover - compiled
-    """Tile by tile (tile-major, rows inside a tile), each changed flat index idx[p]
-    (ascending, in rows [r0, r1)): its group, its tile (counted from row r0's tile row), the
-    number of its group's elements in the tile skipped since the group's previous change there
-    (or the tile's start), and p. `base` holds rows from `base_r0` on. Returns the count placed
-    (every index inside the rows, once, when it equals idx.size)."""
+    """Row-major, each changed flat index idx[p] (ascending, in rows [r0, r1)): its group,
+    its tile (counted from row r0's tile row) and the number of its group's elements in the
+    tile skipped since the group's previous change there (or the tile's start). `base` holds
+    rows from `base_r0` on. Returns the count placed (every index inside the rows, once, when
+    it equals idx.size)."""
     across = (cols + w - 1) // w
     n = idx.size
-    since = np.zeros(groups, np.int64)
-    pointer = np.zeros(h, np.int64)
-    q = 0
-    out = 0
-    ta = r0
-    while ta < r1:
-        tb = min(r1, (ta // h + 1) * h)
-        for r in range(ta, tb):  # each row's first change
-            while q < n and idx[q] < r * cols:
-                q += 1
-            pointer[r - ta] = q
-        tile_row = (ta // h - r0 // h) * across
-        for j in range(across):
+    since = np.zeros(across * groups, np.int64)
+    first = r0 // h
+    p = 0
+    for r in range(r0, r1):
+        if r == r0 or r % h == 0:
             since[:] = 0
-            c0, c1 = j * w, min(cols, (j + 1) * w)
-            for r in range(ta, tb):
-                q = pointer[r - ta]
-                flat = r * cols
-                wanted = idx[q] - flat if q < n else cols
-                row_at = (r - base_r0) * cols
-                for c in range(c0, c1):
-                    g = lut[(np.uint16(base[row_at + c]) >> 7) & 0xFF]
-                    if c == wanted:
-                        group[out] = g
-                        tile[out] = tile_row + j
-                        skip[out] = since[g]
-                        entry[out] = q
-                        out += 1
-                        since[g] = 0
-                        q += 1
-                        wanted = idx[q] - flat if q < n else cols
-                    else:
-                        since[g] += 1
-                pointer[r - ta] = q
-        ta = tb
-    return out
+        tile_row = (r // h - first) * across
+        flat = r * cols
+        wanted = idx[p] - flat if p < n else cols
+        row_at = (r - base_r0) * cols
+        for j in range(across):
+            c1 = min(cols, (j + 1) * w)
+            at = j * groups
+            for c in range(j * w, c1):
+                k = at + lut[(np.uint16(base[row_at + c]) >> 7) & 0xFF]
+                if c == wanted:
+                    group[p] = k - at
+                    tile[p] = tile_row + j
+                    skip[p] = since[k]
+                    since[k] = 0
+                    p += 1
+                    wanted = idx[p] - flat if p < n else cols
+                else:
+                    since[k] += 1
+    return p
 
 
 @compiled
@@ -209,26 +198,23 @@ def _position_pass(
 
 @compiled
 def _by_group(
-    group, tile, skip, entry, all_codes, tiles, counts, skips, codes, sums
+    group, tile, skip, all_codes, tiles, counts, skips, codes, sums
 ):  # pragma: no cover - compiled
-    """The pass's changes (tile-major) into stream order: by group, tile-major inside each
-    (a stable counting sort), with each one's value code; counts per (group, tile) and the
-    sum of each group's skips."""
-    groups = sums.size
-    at = np.zeros(groups + 1, np.int64)
+    """The pass's changes (row-major) into stream order: by group, then tile, then row-major
+    inside a tile (a stable counting sort on group x tile), with each one's value code; the
+    counts per (group, tile) and the sum of each group's skips."""
     for p in range(group.size):
-        g = group[p]
-        at[g + 1] += 1
-        counts[g * tiles + tile[p]] += 1
-        sums[g] += skip[p]
-    for g in range(groups):
-        at[g + 1] += at[g]
+        counts[group[p] * tiles + tile[p]] += 1
+        sums[group[p]] += skip[p]
+    at = np.zeros(counts.size, np.int64)
+    for key in range(1, counts.size):
+        at[key] = at[key - 1] + counts[key - 1]
     for p in range(group.size):
-        g = group[p]
-        q = at[g]
-        at[g] = q + 1
+        key = group[p] * tiles + tile[p]
+        q = at[key]
+        at[key] = q + 1
         skips[q] = skip[p]
-        codes[q] = all_codes[entry[p]]
+        codes[q] = all_codes[p]
 
 
 # --- encoding ----------------------------------------------------------------------------------
@@ -267,18 +253,18 @@ def encode_tensor(
     cuts = _cuts(((previous >> 7) & 0xFF).astype(np.int64))
     groups = cuts.size + 1
     n = idx.size
-    group = np.empty(n, np.uint8)
-    tile, skip, entry = (np.empty(n, np.int64) for _ in range(3))
+    group = np.empty(n, np.int64)
+    tile, skip = np.empty(n, np.int64), np.empty(n, np.int64)
     placed = _skip_pass(
         base_bits, rows[0], rows[0], rows[1], grid.cols, grid.tile_rows, grid.tile_cols,
-        _lut(cuts), groups, idx, group, tile, skip, entry,
+        _lut(cuts), groups, idx, group, tile, skip,
     )  # fmt: skip
     if placed != n:
         raise ValueError("changed indices outside the rows, unsorted or repeated")
     tiles = grid.tiles(*rows)
     counts = np.zeros(groups * tiles, np.int64)
     skips, codes, sums = np.empty(n, np.int64), np.empty(n, np.int64), np.zeros(groups, np.int64)
-    _by_group(group, tile, skip, entry, value_codes(change), tiles, counts, skips, codes, sums)
+    _by_group(group, tile, skip, value_codes(change), tiles, counts, skips, codes, sums)
     head = np.empty(20 + groups + 20 * groups, np.uint8)
     p = _put_leb128(head, 0, groups)
     head[p : p + cuts.size] = cuts

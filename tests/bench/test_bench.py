@@ -96,3 +96,17 @@ def test_a_missing_workdir_is_created(tmp_path):
     work = scratch(str(tmp_path / "new" / "dir"), "deltasync-bench-")
     assert work.is_dir() and work.parent == tmp_path / "new" / "dir"
     assert work.name.startswith("deltasync-bench-") and list(work.iterdir()) == []
+
+
+def test_ctx_bounds_bench_reports_heavy_tails_and_late_steps(tmp_path, capsys):
+    from bench.ctx_bounds import main as bounds
+
+    out = tmp_path / "bounds.json"
+    args = ["--model", "qwen3-tiny", "--steps", "4", "--shrink", "4", "--json", str(out)]
+    assert bounds(args) == 0
+    assert "| Student-t (3), per-tensor scales" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert [r["lr"] for r in result["heavy_tailed"]] == [1e-6, 3e-6]
+    assert [r["step"] for r in result["late"]] == [3, 4]
+    for row in result["heavy_tailed"]:  # the exponent predicts the change: ctx codes it in less
+        assert 0 < row["density"] < 0.5 and row["ctx_vs_ans"] < 0.85
