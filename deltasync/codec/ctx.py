@@ -5,9 +5,9 @@ that crosses half its ulp, so an element's chance of changing, and how far its b
 steps, are set mostly by its base exponent. Every reader holds the base, so the exponent is
 free context: the elements of a tensor are split into *groups* of base exponents (cut points
 chosen per tensor by the writer, each group with at least `MIN_GROUP` changes), and each group
-codes its changed positions as ranks among the group's own elements and its value steps under
-its own table. That costs about log2 C(n_g, k_g) per group instead of log2 C(n, k) per tensor:
-about two thirds of `ans` on RL deltas (BENCHMARKS.md).
+codes its changed positions by their ranks among the group's own elements (as skips between
+them) and its value steps under its own table. That costs about log2 C(n_g, k_g) per group
+instead of log2 C(n, k) per tensor: about 0.7x of `ans` on RL deltas (BENCHMARKS.md).
 
 Ranks are counted inside *tiles* (a fixed grid of the tensor as rows x columns, `tile_extent`)
 so that a reader holding a box of the tensor (a tensor-parallel worker: a range of rows or of
@@ -34,7 +34,15 @@ from deltasync.kernels.boxes import Box
 from deltasync.kernels.changes import WORKERS, TensorChange, bits
 from deltasync.kernels.jit import compiled
 
-__all__ = ["MIN_GROUP", "Grid", "decode_tensor", "encode_changes", "tile_extent"]
+__all__ = [
+    "MIN_GROUP",
+    "Grid",
+    "decode_on_device",
+    "decode_tensor",
+    "encode_changes",
+    "encode_tensor",
+    "tile_extent",
+]
 
 MIN_GROUP = 512  # changes per exponent group at least (fewer: merged with the next exponents)
 _SPLITS = 8  # tiles per dimension (the last one shorter, or empty, where padding falls)
@@ -47,7 +55,7 @@ def tile_extent(size: int) -> int:
     to a multiple of 64, then splits it). An eighth of the padded size when the size is a
     multiple of 64 (every layer of a real model)."""
     padded = max(64, -(-size // 64) * 64) // _SPLITS
-    if size % 2:
+    if size % 2 or size == 0:
         return padded
     twos = min(3, (size & -size).bit_length() - 1)
     return math.gcd(padded, size >> twos)
