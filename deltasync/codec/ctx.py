@@ -419,6 +419,8 @@ def decode_tensor(
     ra, rb, ca, cb = _region(grid, rows, box)
     base_r0, base_c0, width = _origin(grid, offset, box)
     base_bits = bits(base.detach().contiguous())
+    if rb > ra and (ra < base_r0 or (rb - base_r0) * width > base_bits.size):
+        raise FormatError(f"ctx: rows {ra}:{rb} lie outside the base the reader holds")
     held = (rb - ra) * (cb - ca)
     out_index = np.empty(min(count, held), np.int64)
     out_entry = np.empty(min(count, held), np.int64)

@@ -109,6 +109,16 @@ def test_a_part_of_rows_decodes_against_the_whole_base_and_against_its_own_rows(
     _same(own, part.indices.numpy() - lo, part.values)
 
 
+def test_a_part_outside_the_rows_the_reader_holds_is_refused():
+    shape, (r0, r1) = (1000, 96), (334, 667)
+    base, _, change = _adam_like(shape)
+    inside = (change.indices >= r0 * 96) & (change.indices < r1 * 96)
+    part = TensorChange(change.indices[inside], change.values[inside], change.previous[inside])
+    blob = _encode(part, base[r0:r1], shape, (r0, r1))
+    with pytest.raises(FormatError, match="outside the base"):  # the reader holds rows 0:333
+        ctx.decode_tensor(blob, part.indices.numel(), base[:333], shape, rows=(r0, r1))
+
+
 def test_encoding_needs_the_base():
     base, new = {"w": torch.ones(4, 4).bfloat16()}, {"w": torch.full((4, 4), 2.0).bfloat16()}
     diff = Bf16Snapshot({k: v.clone() for k, v in base.items()}).diff(new)
