@@ -28,7 +28,7 @@ import torch
 
 from deltasync.codec.ans import _apply_codes, raw_bits_for
 from deltasync.codec.ans import _codes as value_codes
-from deltasync.codec.rans import _put_leb128, decode_integers, encode_integers
+from deltasync.codec.rans import _get_leb128, _put_leb128, decode_integers, encode_integers
 from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Box
 from deltasync.kernels.changes import WORKERS, TensorChange, bits
@@ -311,16 +311,10 @@ def encode_changes(
 
 
 def _leb(data: np.ndarray, p: int, what: str) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        if p >= data.size or shift > 56:
-            raise FormatError(f"{what}: the blob's header ends early")
-        byte = int(data[p])
-        p += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, p
-        shift += 7
+    value, p = _get_leb128(data, p)
+    if p < 0:
+        raise FormatError(f"{what}: the blob's header ends early")
+    return int(value), p
 
 
 def _header(data: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -497,6 +491,8 @@ def decode_on_device(
     ranks -= np.repeat(np.concatenate(([0], ranks))[firsts], sizes)
     found_index, found_entry = [], []
     rows_per = max(1, chunk // max(1, cb - ca))
+    origin = (base_r0, base_c0, width)
+    overlays = _staged_classes(staged or [], lut, origin, (ca, cb), device)
     for tile_row in range(ra // h, -(-rb // h) if rb > ra else ra // h):
         r_lo, r_hi = max(ra, tile_row * h), min(rb, (tile_row + 1) * h)
         first = (tile_row - rows[0] // h) * across
@@ -506,8 +502,9 @@ def decode_on_device(
             r_end = min(r_hi, r + rows_per)
             part = plane[r - base_r0 : r_end - base_r0, ca - base_c0 : cb - base_c0]
             classes = lut[((part.to(torch.int32) >> 7) & 0xFF).long()]
-            _overlay_classes(classes, staged, lut, (r, r_end), (ca, cb), (base_r0, base_c0, width))
-            origin = (base_r0, base_c0, width)
+            for row, col, value in overlays:  # in staging order: a later delta's value wins
+                inside = (row >= r) & (row < r_end)
+                classes[row[inside] - r, col[inside]] = value[inside]
             index, entry = _find(classes, wanted, carry, r, ca, origin, w, groups)
             found_index.append(index)
             found_entry.append(entry)
@@ -546,21 +543,19 @@ def _wanted(start, ranks, t_lo, t_hi, device) -> dict:
     return out
 
 
-def _overlay_classes(classes, staged, lut, rows, cols, origin) -> None:
-    """The classes of elements an earlier staged delta changed, from its new values."""
+def _staged_classes(staged, lut, origin, cols, device) -> list:
+    """Per earlier staged delta, in staging order: (row, column from `cols[0]`, class) on
+    `device` of each element in columns `cols` it changed, from its new value."""
     base_r0, base_c0, width = origin
-    for change in staged or ():
+    found = []
+    for change in staged:
         row = change.indices // width + base_r0
         col = change.indices % width + base_c0
-        inside = (row >= rows[0]) & (row < rows[1]) & (col >= cols[0]) & (col < cols[1])
-        if not bool(inside.any()):
-            continue
-        new = change.values[inside].view(torch.int16).to(torch.int32)
-        at = (
-            (row[inside] - rows[0]).to(classes.device),
-            (col[inside] - cols[0]).to(classes.device),
-        )
-        classes[at] = lut[((new.to(classes.device) >> 7) & 0xFF).long()]
+        inside = (col >= cols[0]) & (col < cols[1])
+        new = change.values[inside].view(torch.int16).to(torch.int32).to(device)
+        value = lut[((new >> 7) & 0xFF).long()]
+        found.append((row[inside].to(device), (col[inside] - cols[0]).to(device), value))
+    return found
 
 
 def _find(classes, wanted, carry, first_row, first_col, origin, w, groups):
