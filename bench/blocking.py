@@ -9,8 +9,17 @@ Side by side on the same steps (synthetic, at a fixed density) of fp32 master we
   host path is the one `change_detection="auto"` picks);
 - `digests (worker)`: what hashing the host mirror costs the publisher's worker in device mode.
 
+Then, with `--encodings`, the whole `Publisher.publish` per encoding, one after the other on the
+same steps: a stand-in training step (`--train-s` seconds of fp32 matmuls on the training
+thread) between publishes, so the publisher's worker encodes and uploads (to a local folder)
+while the "trainer" computes, as in a run. Per encoding: what `publish` blocks (the diff, plus
+any wait for a full queue when encoding falls behind) and the training step's throughput against
+the same steps without a publisher (what the worker's cores cost the trainer).
+
 Usage:
   .venv/bin/python -m bench.blocking --model qwen3-0.6b --density 0.02 --steps 4 --repeat 3
+  .venv/bin/python -m bench.blocking --model qwen3-0.6b --density 0.02 --steps 4 --repeat 1 \
+      --encodings ans ctx --train-s 3
 """
 
 from __future__ import annotations
@@ -19,16 +28,20 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
 
-from deltasync.arguments import count, fraction, json_path
+from deltasync.arguments import count, folder, fraction, json_path, learning_rate, positive
+from deltasync.codec import ENCODINGS
 from deltasync.publisher.device_snapshot import DeviceSnapshot
+from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot, digests_after
+from deltasync.store import LocalStore
 
 from .output import save_json
-from .realistic import SHAPES
+from .realistic import SHAPES, bf16_states
 from .synthetic import synthetic_states
 
 
@@ -89,12 +102,119 @@ def measure(model: str, *, density: float, steps: int, repeat: int) -> list[dict
     return rows
 
 
+def _train(seconds: float) -> float:
+    """A stand-in training step: fp32 matmuls for `seconds` on this thread; returns how many
+    ran per second (what a publisher's worker threads take away shows as fewer)."""
+    a = torch.randn(384, 384)
+    done, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        for _ in range(8):
+            a = torch.tanh(a @ a)
+        done += 8
+    return done / elapsed
+
+
+def publish_side_by_side(
+    model: str,
+    *,
+    density: float,
+    steps: int,
+    train_s: float,
+    encodings: list[str],
+    lr: float | None = None,
+    cache: str | None = None,
+) -> dict[str, list[dict]]:
+    """Per encoding (and `none`: the same steps, no publisher), each step's training throughput
+    and what `publish` blocked; the worker's encode seconds from the version's record. The
+    steps are synthetic at `density`, or with `lr` the realistic run's (`bench.realistic`)."""
+
+    def states():
+        if lr is None:
+            return synthetic_states(model, steps, density=density)
+        return bf16_states(model, steps, lr=lr, cache=cache, log=lambda m: None)
+
+    out: dict[str, list[dict]] = {}
+    _train(train_s)  # warms torch's threads and allocator
+    for encoding in ["none", *encodings, "none after"]:  # `none` first and last: drift shows
+        rows: list[dict] = []
+        with tempfile.TemporaryDirectory(prefix="blocking-") as folder:
+            publisher = None
+            if not encoding.startswith("none"):
+                config = PublisherConfig(run_id="blocking", encoding=encoding, write_metrics=False)
+                publisher = Publisher(LocalStore(folder), config)
+            params: dict[str, torch.Tensor] = {}
+            futures = []
+            for step, state in states():
+                if step == 0:
+                    params = {n: t.float() for n, t in state.items()}
+                else:
+                    for name, tensor in state.items():
+                        params[name].copy_(tensor)
+                rate = _train(train_s)
+                t0 = time.perf_counter()
+                if publisher is not None:
+                    futures.append(publisher.publish(params))
+                blocked = time.perf_counter() - t0
+                if step > 0:
+                    rows.append({"step": step, "train_rate": rate, "publish_s": blocked})
+            if publisher is not None:
+                publisher.close()
+                for row, future in zip(rows, futures[1:], strict=True):
+                    record = future.result()
+                    row |= {"encode_s": record.encode_s, "delta_bytes": record.delta_bytes}
+        out[encoding] = rows
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "step"}
+        print(f"{encoding}: {med}", file=sys.stderr, flush=True)
+    return out
+
+
+def _publish_table(result: dict[str, list[dict]], train_s: float) -> None:
+    med = {
+        enc: {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "step"}
+        for enc, rows in result.items()
+    }
+    before, after = med.pop("none"), med.pop("none after")
+    base = {"train_rate": (before["train_rate"] + after["train_rate"]) / 2}
+    first = next(iter(med))
+    print(f"\n`Publisher.publish` per encoding, a {train_s:g} s stand-in training step between")
+    print(
+        f"| encoding | publish blocks s (median) | vs {first} | worker encode s | delta MB | "
+        "training throughput vs no publisher |"
+    )
+    print("|---|---|---|---|---|---|")
+    for enc, m in med.items():
+        print(
+            f"| {enc} | {m['publish_s']:.3f} | {m['publish_s'] / med[first]['publish_s']:.2f}x | "
+            f"{m['encode_s']:.2f} | {m['delta_bytes'] / 1e6:.1f} | "
+            f"{m['train_rate'] / base['train_rate']:.2f}x |"
+        )
+    drift = after["train_rate"] / before["train_rate"]
+    print(f"(no publisher: the last run's throughput {drift:.2f}x the first's)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="trainer blocking time per step")
     ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(SHAPES))
     ap.add_argument("--density", type=fraction, default=0.02)
     ap.add_argument("--steps", type=count, default=4)
     ap.add_argument("--repeat", type=count, default=3, help="best of N for the host modes")
+    ap.add_argument(
+        "--encodings",
+        nargs="*",
+        choices=ENCODINGS,
+        default=[],
+        help="also run Publisher.publish side by side with these encodings",
+    )
+    ap.add_argument(
+        "--train-s", type=positive, default=3.0, help="stand-in training step (default 3 s)"
+    )
+    ap.add_argument(
+        "--lr",
+        type=learning_rate,
+        default=None,
+        help="publish the realistic run's steps at this learning rate instead of synthetic ones",
+    )
+    ap.add_argument("--cache", type=folder, default=None, help="the realistic run's cache")
     ap.add_argument("--json", type=json_path, default=None)
     args = ap.parse_args(argv)
     rows = measure(args.model, density=args.density, steps=args.steps, repeat=args.repeat)
@@ -110,7 +230,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | {med[key]:.3f} | {med['before_s'] / med[key]:.2f}x |")
     print(f"\ndevice mode: hashing the host mirror in the worker, {med['digests_worker_s']:.3f} s")
     print(f"threads {torch.get_num_threads()}/{os.cpu_count()} cpus")
-    save_json(rows, args.json)
+    published = {}
+    if args.encodings:
+        published = publish_side_by_side(
+            args.model,
+            density=args.density,
+            steps=args.steps,
+            train_s=args.train_s,
+            encodings=args.encodings,
+            lr=args.lr,
+            cache=args.cache,
+        )
+        _publish_table(published, args.train_s)
+    save_json({"detection": rows, "publish": published} if published else rows, args.json)
     return 0
 
 

@@ -8,7 +8,7 @@ snapshot's device check compares like with like. One warm-up step per shape (`--
 compiles the host loops and warms the allocator) runs first and is not reported.
 
 `scripts/gpu_check.sh` runs it on a bare single-GPU machine. It needs torch, numpy, numba, xxhash,
-safetensors and transformers only (no vLLM, no zstandard, no TRL: deltas use the `ans`
+safetensors and transformers only (no vLLM, no zstandard, no TRL: deltas use the default `ctx`
 encoding, the replica's parameters are vLLM-shaped stand-ins). Per model shape, over `--steps`
 real AdamW steps (fp32 master weights on the device, LM loss on random tokens, batch 2 x 128):
 - the optimizer step's time;
@@ -17,8 +17,10 @@ real AdamW steps (fp32 master weights on the device, LM loss on random tokens, b
   bf16, then the compiled scan); both diffs must be equal bit for bit;
 - the full-state digest moved in O(changed) (what the publisher's worker does per version) and
   the per-tensor digests hashed off the training thread;
-- encode (`ans`), then the replica's stage (decode + verify against host copies) and apply (the
-  pause: changed elements written in place into fused qkv / gate_up parameters on the device);
+- encode (`ctx`, against the host snapshot of the base version, and `ans` beside it for the
+  ratio), then the replica's stage (decode: `ctx` classes the base elements where the replica's
+  parameters live, in bounded chunks; verify against host copies) and apply (the pause: changed
+  elements written in place into fused qkv / gate_up parameters on the device);
   afterwards every served parameter equals the trainer's bf16 view bit for bit.
 Any failed check raises; the result (JSON) says `"checks": "ok"` and `"ok": true` otherwise
 (part 1 of `scripts/gpu_check.sh`).
@@ -33,6 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -130,16 +133,16 @@ def run(
         new_sums, digest_s = _timed(device, apply_changes, sums, diff.changes)
         hashes, hashes_s = _timed(device, digests_after, host.tensors, diff)
         diff = type(diff)(diff.changes, hashes, diff.shapes)
-        data, encode_s = _timed(
-            device,
+        encode = partial(
             encode_delta,
             diff,
             run_id=RUN_ID,
             version=version + 1,
             base_version=version,
             state_digest=total(new_sums),
-            encoding="ans",
         )
+        data, encode_s = _timed(device, encode, encoding="ctx", base=host.tensors)
+        ans_data, encode_ans_s = _timed(device, encode, encoding="ans")
         staged, stage_s = _timed(device, replica.stage, [(data, None)])
         applied, apply_s = _timed(device, replica.commit, staged)
         assert applied and replica.version == version + 1, "the replica did not take the version"
@@ -158,8 +161,10 @@ def run(
                 "detect_device_s": device_s,
                 "digest_update_s": digest_s,
                 "tensor_digests_worker_s": hashes_s,
-                "encode_ans_s": encode_s,
+                "encode_ctx_s": encode_s,
+                "encode_ans_s": encode_ans_s,
                 "delta_bytes": len(data),
+                "ans_delta_bytes": len(ans_data),
                 "replica_stage_s": stage_s,
                 "replica_apply_s": apply_s,
             }

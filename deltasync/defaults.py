@@ -12,6 +12,10 @@ ANCHOR_INTERVAL = 50  # a full anchor every N versions after the last one
 MAX_DELTA_FRACTION = 0.5  # ... or once the deltas since it add up to this share of an anchor
 KEEP_ANCHORS = 2  # anchors retained in the bucket
 
+# The publisher's delta encoding (`codec`): `ctx` codes each change in the context of its base
+# element's exponent, about 0.7x the bytes of `ans` (BENCHMARKS.md).
+ENCODING = "ctx"
+
 # The replica.
 RECOMPUTE_EVERY = 50  # the full-state digest recomputed from the held bytes every N versions
 PAUSE_DEADLINE_S = 90.0  # longest pause of generation for one sync

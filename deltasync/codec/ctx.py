@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deltasync.codec.ans import _apply_codes, raw_bits_for
 from deltasync.codec.ans import _codes as value_codes
+from deltasync.codec.ans import raw_bits_for
 from deltasync.codec.rans import _get_leb128, _put_leb128, decode_integers, encode_integers
 from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Box
@@ -121,19 +121,23 @@ def _skip_pass(
         wanted = idx[p] - flat if p < n else cols
         row_at = (r - base_r0) * cols
         for j in range(across):
-            c1 = min(cols, (j + 1) * w)
-            at = j * groups
-            for c in range(j * w, c1):
-                k = at + lut[(np.uint16(base[row_at + c]) >> 7) & 0xFF]
-                if c == wanted:
-                    group[p] = k - at
+            c0 = j * w
+            c1 = min(cols, c0 + w)
+            counts = since[j * groups : (j + 1) * groups]  # a slice: the loop keeps it close
+            segment = base[row_at + c0 : row_at + c1]
+            at = wanted - c0
+            for c in range(c1 - c0):
+                k = lut[(np.uint16(segment[c]) >> 7) & 0xFF]
+                if c == at:
+                    group[p] = k
                     tile[p] = tile_row + j
-                    skip[p] = since[k]
-                    since[k] = 0
+                    skip[p] = counts[k]
+                    counts[k] = 0
                     p += 1
                     wanted = idx[p] - flat if p < n else cols
+                    at = wanted - c0
                 else:
-                    since[k] += 1
+                    counts[k] += 1
     return p
 
 
@@ -155,14 +159,17 @@ def _position_pass(
     groups,
     start,
     skips,
+    codes,
     out_index,
-    out_entry,
+    out_previous,
+    out_value,
 ):  # pragma: no cover - compiled
     """The inverse, row-major over the box rows [ra, rb) x columns [ca, cb) (on tile edges)
     of a stream of rows from r0: group g's changes in tile t are entries start[g, t] ..
-    start[g, t + 1] of `skips`; each becomes the base's flat index of its element, in
-    ascending order, with its entry. Returns the count found, or -1 when a tile's group holds
-    fewer elements than its skips lead past."""
+    start[g, t + 1] of `skips` and `codes`; each becomes the base's flat index of its element
+    (ascending), its base bits and its new bits (the base plus its value step: `codes` are
+    zigzag steps less one, checked to fit 16 bits). Returns the count found, or -1 when a
+    tile's group holds fewer elements than its skips lead past."""
     across = (cols + w - 1) // w
     ja, jb = ca // w, (cb + w - 1) // w
     left = np.zeros(across * groups, np.int64)
@@ -182,21 +189,27 @@ def _position_pass(
                     left[k] = skips[e] if e < end[k] else _NONE
         row_at = (r - base_r0) * width - base_c0
         for j in range(ja, jb):
-            c1 = min(cb, (j + 1) * w)
+            c0 = j * w
+            c1 = min(cb, c0 + w)
             at = j * groups
-            for c in range(j * w, c1):
-                k = at + lut[(np.uint16(base[row_at + c]) >> 7) & 0xFF]
-                d = left[k]
+            pending = left[at : at + groups]  # slices: the loop keeps them in registers
+            segment = base[row_at + c0 : row_at + c1]
+            for c in range(c1 - c0):
+                old = segment[c]
+                k = lut[(np.uint16(old) >> 7) & 0xFF]
+                d = pending[k]
                 if d == 0:
-                    e = cursor[k]
-                    out_index[found] = row_at + c
-                    out_entry[found] = e
+                    e = cursor[at + k]
+                    code = codes[e] + 1
+                    out_index[found] = row_at + c0 + c
+                    out_previous[found] = old
+                    out_value[found] = np.int16(np.int64(old) + ((code >> 1) ^ -(code & 1)))
                     found += 1
                     e += 1
-                    cursor[k] = e
-                    left[k] = skips[e] if e < end[k] else _NONE
+                    cursor[at + k] = e
+                    pending[k] = skips[e] if e < end[at + k] else _NONE
                 else:
-                    left[k] = d - 1
+                    pending[k] = d - 1
         if r + 1 == rb or (r + 1) % h == 0:
             for k in range(ja * groups, jb * groups):
                 if cursor[k] != end[k]:
@@ -382,6 +395,8 @@ def _streams(
         lo, k = start[g, 0], start[g, -1] - start[g, 0]
         skips[lo : lo + k] = decode_integers(streams[1 + 2 * g], k, f"ctx group {g} gaps")
         codes[lo : lo + k] = decode_integers(streams[2 + 2 * g], k, f"ctx group {g} vals")
+    if count and codes.max() >= (1 << 16) - 1:  # a step of zero or past 16 bits
+        raise FormatError("a value step is out of range")
     return cuts, start, skips, codes
 
 
@@ -415,9 +430,9 @@ def decode_tensor(
     base_bits = bits(base.detach().contiguous())
     if rb > ra and (ra < base_r0 or (rb - base_r0) * width > base_bits.size):
         raise FormatError(f"ctx: rows {ra}:{rb} lie outside the base the reader holds")
-    held = (rb - ra) * (cb - ca)
-    out_index = np.empty(min(count, held), np.int64)
-    out_entry = np.empty(min(count, held), np.int64)
+    held = min(count, (rb - ra) * (cb - ca))
+    out_index = np.empty(held, np.int64)
+    previous, values = np.empty(held, np.int16), np.empty(held, np.int16)
     found = _position_pass(
         base_bits,
         base_r0,
@@ -435,22 +450,19 @@ def decode_tensor(
         groups,
         start,
         skips,
+        codes,
         out_index,
-        out_entry,
+        previous,
+        values,
     )
     if found < 0:
         raise FormatError("ctx: a skip leads past its group's elements in its tile")
     if box is None and found != count:
         raise FormatError(f"ctx: {found} changes found, metadata says {count}")
-    indices, entries = out_index[:found], out_entry[:found]
-    previous = np.empty(found, np.int16)
-    values = np.empty(found, np.int16)
-    if not _apply_codes(np.ascontiguousarray(codes[entries]), base_bits, indices, previous, values):
-        raise FormatError("a value step is out of range")
     return TensorChange(
-        torch.from_numpy(indices),
-        torch.from_numpy(values).view(torch.bfloat16),
-        torch.from_numpy(previous).view(torch.bfloat16),
+        torch.from_numpy(out_index[:found]),
+        torch.from_numpy(values[:found]).view(torch.bfloat16),
+        torch.from_numpy(previous[:found]).view(torch.bfloat16),
     )
 
 
@@ -518,8 +530,6 @@ def decode_on_device(
     if box is None and index.size != count:
         raise FormatError(f"ctx: {index.size} changes found, metadata says {count}")
     steps = codes[entry] + 1
-    if (steps >= 1 << 16).any():
-        raise FormatError("a value step is out of range")
     steps = ((steps >> 1) ^ -(steps & 1)).astype(np.int16)
     return TensorChange(
         torch.from_numpy(index),

@@ -16,6 +16,7 @@ import torch
 
 from deltasync.codec import ans, coo, ctx, packed
 from deltasync.codec.virtual import source_tensors
+from deltasync.defaults import ENCODING
 from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Boxes
 from deltasync.kernels.changes import WORKERS, Diff, TensorChange, bits
@@ -182,7 +183,7 @@ def encode_delta(
     version: int,
     base_version: int,
     state_digest: StateDigest,
-    encoding: str = "ans",
+    encoding: str = ENCODING,
     part: PartInfo | None = None,
     base: Mapping[str, torch.Tensor] | None = None,
 ) -> bytes:

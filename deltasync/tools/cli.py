@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from deltasync.arguments import count, http_url, learning_rate
 from deltasync.codec import ENCODINGS, read_metadata
+from deltasync.defaults import ENCODING
 from deltasync.errors import (
     DeltaSyncError,
     FormatError,
@@ -305,7 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr", type=learning_rate, default=1e-6, help="AdamW learning rate (default 1e-6)"
     )
     p.add_argument(
-        "--encoding", choices=ENCODINGS, default="ans", help="delta encoding (default ans)"
+        "--encoding",
+        choices=ENCODINGS,
+        default=ENCODING,
+        help="delta encoding (default %(default)s)",
     )
     p.set_defaults(run=_demo)
     p = sub.add_parser("inspect", help="print a file's metadata (reads only its header)")

@@ -110,3 +110,19 @@ def test_ctx_bounds_bench_reports_heavy_tails_and_late_steps(tmp_path, capsys):
     assert [r["step"] for r in result["late"]] == [3, 4]
     for row in result["heavy_tailed"]:  # the exponent predicts the change: ctx codes it in less
         assert 0 < row["density"] < 0.5 and row["ctx_vs_ans"] < 0.85
+
+
+def test_blocking_bench_publishes_each_encoding_side_by_side(tmp_path, capsys):
+    from bench.blocking import main as blocking
+
+    out = tmp_path / "blocking.json"
+    args = ["--model", "qwen3-tiny", "--steps", "2", "--repeat", "1", "--train-s", "0.05"]
+    assert blocking([*args, "--encodings", "ans", "ctx", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| encoding | publish blocks s (median) | vs ans |" in printed
+    published = json.loads(out.read_text())["publish"]
+    assert list(published) == ["none", "ans", "ctx", "none after"]
+    for encoding in ("ans", "ctx"):  # every step published, its delta written by the worker
+        rows = published[encoding]
+        assert [r["step"] for r in rows] == [1, 2]
+        assert all(r["delta_bytes"] > 0 and r["publish_s"] > 0 for r in rows)

@@ -22,7 +22,7 @@ from deltasync.wire.policy import AnchorPolicy
 
 CHAIN = build_chain(5)
 OTHER = build_chain(5, run_id="run-b", seed=1)  # same model, another run
-ENCODINGS = ["ans", "packed", "coo"]
+ENCODINGS = ["ctx", "ans", "packed", "coo"]
 
 
 def _refused(replica, blob: bytes, error: type[DeltaSyncError] = DeltaSyncError) -> str:

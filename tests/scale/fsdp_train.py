@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from deltasync import Publisher, PublisherConfig
+from deltasync.defaults import ENCODING
 from deltasync.errors import PublishError
 from deltasync.publisher.checkpoint_names import CheckpointNames
 from deltasync.publisher.shards import ShardGroup
@@ -92,7 +93,7 @@ def main() -> None:
     parser.add_argument("--crash-version", type=int)
     parser.add_argument("--fail-instead", action="store_true", help="raise instead of dying")
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--encoding", default="ans", help="the publisher's delta encoding")
+    parser.add_argument("--encoding", default=ENCODING, help="the publisher's delta encoding")
     parser.add_argument("--report", help="JSON file: per-rank memory and timings")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")

@@ -36,11 +36,12 @@ def setup():
     return replica, diff
 
 
-def _delta(diff, encoding="packed", **kw):
-    """A delta from the fixture's base, with the full-state digest the state after it has."""
-    digest = total(apply_changes(state_sums(_base()), diff.changes))
+def _delta(diff, encoding="packed", base=None, **kw):
+    """A delta from `base` (the fixture's), with the full-state digest the state after it has."""
+    base = base or _base()
+    digest = total(apply_changes(state_sums(base), diff.changes))
     args = {"run_id": "run", "version": 2, "base_version": 1, "state_digest": digest} | kw
-    return encode_delta(diff, encoding=encoding, **args)
+    return encode_delta(diff, encoding=encoding, base=base, **args)
 
 
 def _state(replica):
@@ -64,7 +65,7 @@ def _refused(replica, blob, error=DeltaSyncError):
     return str(info.value)
 
 
-@pytest.mark.parametrize("encoding", ["ans", "packed", "coo"])
+@pytest.mark.parametrize("encoding", ["ctx", "ans", "packed", "coo"])
 def test_truncated_file(setup, encoding):
     replica, diff = setup
     blob = _delta(diff, encoding)
@@ -83,7 +84,7 @@ def test_header_not_json(setup):
     _refused(replica, struct.pack("<Q", 4) + b"\xff{x}", FormatError)
 
 
-@pytest.mark.parametrize("encoding", ["ans", "packed", "coo"])
+@pytest.mark.parametrize("encoding", ["ctx", "ans", "packed", "coo"])
 def test_corrupt_payload_bytes_never_apply(setup, encoding):
     replica, diff = setup
     blob = _delta(diff, encoding)
@@ -131,14 +132,14 @@ def test_wrong_dtype(setup):
     assert "BF16" in _refused(replica, _rewrite(_delta(diff, "coo"), mutate), FormatError)
 
 
-@pytest.mark.parametrize("encoding", ["ans", "packed", "coo"])
+@pytest.mark.parametrize("encoding", ["ctx", "ans", "packed", "coo"])
 def test_unknown_tensor_name(setup, encoding):
     replica, _ = setup
     other = {"a.weight": replica.tensors["a.weight"], "c.weight": torch.zeros(4).bfloat16()}
     changed = {k: v.clone() for k, v in other.items()}
     changed["c.weight"][0] = 1
     diff = Bf16Snapshot({k: v.clone() for k, v in other.items()}).diff(changed)
-    assert "c.weight" in _refused(replica, _delta(diff, encoding), FormatError)
+    assert "c.weight" in _refused(replica, _delta(diff, encoding, base=other), FormatError)
 
 
 def test_packed_count_disagrees_with_metadata(setup):

@@ -73,16 +73,7 @@ def test_delta_round_trips_bitwise(encoding, data):
     old, new = data
     snapshot = Bf16Snapshot({k: v.clone() for k, v in old.items()})
     diff = snapshot.diff(new)
-    digest = full_state_digest(new)
-    blob = encode_delta(
-        diff,
-        run_id="run",
-        version=2,
-        base_version=1,
-        state_digest=digest,
-        encoding=encoding,
-        base=old,  # what `ctx` codes against (the others ignore it)
-    )
+    blob = _delta(diff, old, new, encoding)
     decoded = decode(blob, base=old)
     for name in old:
         expected = np.flatnonzero(_bits(old[name]).ravel() != _bits(new[name]).ravel())
@@ -98,6 +89,19 @@ def test_delta_round_trips_bitwise(encoding, data):
         assert np.array_equal(_bits(replica.tensors[name]), _bits(new[name]))
 
 
+def _delta(diff, old, new, encoding: str) -> bytes:
+    """Version 2 of run `run` from `old` (what `ctx` codes against; the others ignore it)."""
+    return encode_delta(
+        diff,
+        run_id="run",
+        version=2,
+        base_version=1,
+        state_digest=full_state_digest(new),
+        encoding=encoding,
+        base=old,
+    )
+
+
 def test_diff_sees_signed_zero_nan_payload_and_subnormal_flips():
     old = _bits_to_bf16(np.array([0x0000, 0x7FC0, 0x0001, 0x3F80], np.uint16))
     new = _bits_to_bf16(np.array([0x8000, 0x7FC1, 0x0002, 0x3F80], np.uint16))
@@ -108,12 +112,8 @@ def test_diff_sees_signed_zero_nan_payload_and_subnormal_flips():
 def test_zero_change_delta_is_valid_and_empty():
     t = {"w": torch.zeros(4, 4, dtype=torch.bfloat16)}
     diff = Bf16Snapshot(t).diff(t)
-    for encoding in ("ans", "packed", "coo"):
-        digest = full_state_digest(t)
-        blob = encode_delta(
-            diff, run_id="run", version=2, base_version=1, state_digest=digest, encoding=encoding
-        )
-        decoded = decode(blob, base=t)
+    for encoding in ("ctx", "ans", "packed", "coo"):
+        decoded = decode(_delta(diff, t, t, encoding), base=t)
         assert decoded.changes == {}
         assert decoded.meta.sparsity == 1.0
 

@@ -46,6 +46,7 @@ def _files(states: list[dict[str, torch.Tensor]]) -> list[bytes]:
                 version=version,
                 base_version=version - 1,
                 state_digest=full_state_digest(state),
+                base=snapshot.tensors,
             )
         )
         snapshot.advance(diff)

@@ -12,6 +12,7 @@ import safetensors.torch
 import torch
 from model_steps import AdamWLoop, tiny_qwen3, trl_v1_write
 
+from deltasync.defaults import ENCODING
 from deltasync.kernels.state_hash import full_state_digest
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
@@ -65,7 +66,7 @@ def test_inspect_json(bucket, capsys):
     assert main(["inspect", str(delta), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["kind"] == "delta" and info["version"] == 9 and info["base_version"] == 8
-    assert info["encoding"] == "ans" and 0 < info["sparsity"] < 1
+    assert info["encoding"] == ENCODING and 0 < info["sparsity"] < 1
     assert info["state_digest"] == full_state_digest(states[9]).hex()
 
 

@@ -212,7 +212,7 @@ class _Counting(Mapping[str, torch.Tensor]):
         return gather
 
 
-@pytest.mark.parametrize("encoding", ["ans", "packed", "coo"])
+@pytest.mark.parametrize("encoding", ["ctx", "ans", "packed", "coo"])
 def test_staging_deltas_copies_only_changed_values_to_the_host(bucket, monkeypatch, encoding):
     """Two sparse deltas staged at once (the second decodes against the first's result, at
     indices both change): bytes to the host are O(changed), not the touched tensors whole."""

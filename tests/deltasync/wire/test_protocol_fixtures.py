@@ -1,4 +1,4 @@
-"""Protocol versions: files of protocols 1-5 written by earlier code still read, bitwise; a
+"""Protocol versions: files of protocols 1-6 written by earlier code still read, bitwise; a
 newer file or manifest is refused with one line naming both versions."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import safetensors.torch
 import torch
 
 from deltasync import Replica, open_store, read_manifest
-from deltasync.codec import PROTOCOL, ParsedFile, read_metadata
+from deltasync.codec import PROTOCOL, ParsedFile, decode, read_metadata
 from deltasync.errors import FormatError
+from deltasync.kernels.boxes import Box
 from deltasync.kernels.state_hash import full_state_digest
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.wire.manifest import Manifest, fetch_entry
@@ -24,6 +25,7 @@ FIXTURES_2 = Path(__file__).parents[2] / "fixtures" / "protocol-2"
 FIXTURES_3 = Path(__file__).parents[2] / "fixtures" / "protocol-3"
 FIXTURES_4 = Path(__file__).parents[2] / "fixtures" / "protocol-4"
 FIXTURES_5 = Path(__file__).parents[2] / "fixtures" / "protocol-5"
+FIXTURES_6 = Path(__file__).parents[2] / "fixtures" / "protocol-6"
 NEWER = f"deltasync/{int(PROTOCOL.split('/')[1]) + 1}"
 
 
@@ -205,3 +207,33 @@ def test_a_protocol_5_file_naming_ctx_is_refused():
     blob = safetensors.torch.save(safetensors.torch.load(delta.read_bytes()), metadata=metadata)
     with pytest.raises(FormatError, match="encoding"):
         ParsedFile.parse(blob)
+
+
+def test_protocol_6_ctx_bucket_replays_bitwise_whole_and_by_box(tmp_path):
+    """`ctx` deltas written when it became the default: a whole replica replays them with
+    their state digests; a worker holding half of `embed.weight`'s rows decodes the same
+    changes of those rows against its half."""
+    store = open_store(str(FIXTURES_6 / "bucket-ctx"))
+    manifest = read_manifest(store)
+    assert (manifest.protocol, manifest.latest_version) == ("deltasync/6", 4)
+    assert [d.encoding for d in manifest.deltas] == ["ctx"] * 3
+    replica = Replica()
+    for entry in (manifest.anchors[0], *manifest.deltas):
+        base = {n: t.clone() for n, t in replica.tensors.items()}
+        data = fetch_entry(store, entry)
+        assert replica.update(data, path=entry.label)
+        assert replica.state_digest.hex() == entry.state_digest
+        if entry.kind != "delta":
+            continue
+        whole = decode(data, base=base).changes["embed.weight"]
+        boxes = {n: Box.whole(tuple(t.shape)) for n, t in base.items()}
+        boxes["embed.weight"] = Box((128, 64), (64, 128))
+        held = base | {"embed.weight": base["embed.weight"][64:]}
+        half = decode(data, base=held, boxes=boxes)
+        inside = whole.indices >= 64 * 64
+        assert torch.equal(half.changes["embed.weight"].indices, whole.indices[inside] - 64 * 64)
+        assert torch.equal(
+            half.changes["embed.weight"].values.view(torch.int16),
+            whole.values[inside].view(torch.int16),
+        )
+    assert replica.version == 4
