@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             cache=args.cache,
         )
         _publish_table(published, args.train_s)
-    save_json({"detection": rows, "publish": published} if published else rows, args.json)
+    save_json({"detection": rows, "publish": published}, args.json)
     return 0
 
 

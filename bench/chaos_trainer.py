@@ -36,7 +36,7 @@ from deltasync.wire.policy import AnchorPolicy
 from trainer.resume import BucketWeights, load_into
 
 RUN_ID = "chaos"
-ENCODINGS = ("ans", "packed", "coo")
+ENCODINGS = ("ctx", "ans", "packed", "coo")
 FENCED_EXIT = 3
 _KINDS = ("reset", "disk full", "stall", "answer lost")
 

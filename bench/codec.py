@@ -411,7 +411,7 @@ def markdown(res: dict) -> str:
         f"{res['model_bytes'] / 1e9:.3f} GB bf16, lr {res['lr']:g}, batch "
         f"{res['batch']}x{res['seq']}",
         "",
-        "Whole files (header included) side by side: `ans` (new default), `packed` (before), "
+        "Whole files (header included) side by side: `ans`, `packed` (the default before it), "
         "`coo` (TRL v1), against the entropy floor:",
         "",
         "| step | density | ans MB | packed MB | coo MB | ans b/chg (idx+val) | packed b/chg | "

@@ -1,7 +1,7 @@
 """Anchor and delta files: a symmetric encode/decode API over safetensors.
 
-Anchors are plain HF-style bf16 checkpoints, or virtual anchors naming one; deltas use the `ans`
-(default), `packed` or `coo` encoding.
+Anchors are plain HF-style bf16 checkpoints, or virtual anchors naming one; deltas use the `ctx`
+(default), `ans`, `packed` or `coo` encoding.
 Layer 4. A torch-free facade: headers and metadata are `deltasync.wire`'s, re-exported here;
 `encode_*` and `decode` load the tensor side (`files`) on first use. May import every layer
 below (`errors`, `defaults`, `store`, `wire`, `kernels`).

@@ -14,7 +14,7 @@ so that a reader holding a box of the tensor (a tensor-parallel worker: a range 
 columns on tile edges; a trainer rank: its rows) ranks only the elements it holds. The tables
 and counts travel in the blob; the byte layout is bucket_layout.md, "Delta, `encoding=ctx`".
 Each direction is one O(elements) compiled pass over the base (classification folded into the
-rank count) plus the rANS streams (`rans`).
+rank count; the decoder's pass also applies the value steps) plus the rANS streams (`rans`).
 """
 
 from __future__ import annotations
@@ -123,21 +123,21 @@ def _skip_pass(
         for j in range(across):
             c0 = j * w
             c1 = min(cols, c0 + w)
-            counts = since[j * groups : (j + 1) * groups]  # a slice: the loop keeps it close
+            since_tile = since[j * groups : (j + 1) * groups]  # slices: fewer index sums
             segment = base[row_at + c0 : row_at + c1]
-            at = wanted - c0
+            wanted_c = wanted - c0
             for c in range(c1 - c0):
                 k = lut[(np.uint16(segment[c]) >> 7) & 0xFF]
-                if c == at:
+                if c == wanted_c:
                     group[p] = k
                     tile[p] = tile_row + j
-                    skip[p] = counts[k]
-                    counts[k] = 0
+                    skip[p] = since_tile[k]
+                    since_tile[k] = 0
                     p += 1
                     wanted = idx[p] - flat if p < n else cols
-                    at = wanted - c0
+                    wanted_c = wanted - c0
                 else:
-                    counts[k] += 1
+                    since_tile[k] += 1
     return p
 
 
@@ -192,7 +192,7 @@ def _position_pass(
             c0 = j * w
             c1 = min(cb, c0 + w)
             at = j * groups
-            pending = left[at : at + groups]  # slices: the loop keeps them in registers
+            pending = left[at : at + groups]  # slices: fewer index sums
             segment = base[row_at + c0 : row_at + c1]
             for c in range(c1 - c0):
                 old = segment[c]
@@ -379,7 +379,8 @@ def _streams(
     blob: torch.Tensor, count: int, grid: Grid, rows: tuple[int, int]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(cuts, start, skips, codes): group g's changes in tile t are entries start[g, t] ..
-    start[g, t + 1] of `skips` and `codes` (validated counts; skips checked by the pass)."""
+    start[g, t + 1] of `skips` and `codes` (counts validated, every code checked to fit 16 bits
+    here; skips checked by the pass)."""
     data = np.ascontiguousarray(blob.numpy())
     cuts, streams = _header(data)
     groups = cuts.size + 1
@@ -395,7 +396,7 @@ def _streams(
         lo, k = start[g, 0], start[g, -1] - start[g, 0]
         skips[lo : lo + k] = decode_integers(streams[1 + 2 * g], k, f"ctx group {g} gaps")
         codes[lo : lo + k] = decode_integers(streams[2 + 2 * g], k, f"ctx group {g} vals")
-    if count and codes.max() >= (1 << 16) - 1:  # a step of zero or past 16 bits
+    if count and codes.max() >= (1 << 16) - 1:  # a step past 16 bits
         raise FormatError("a value step is out of range")
     return cuts, start, skips, codes
 

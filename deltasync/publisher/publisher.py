@@ -55,7 +55,7 @@ class PublisherConfig:
             publisher still writing the run fails its next commit (`Fenced`).
         encoding: delta encoding: `ctx` (default, about 0.7x of `ans`: coded per exponent
             group of the base element), `ans` (within 1 % of the context-free entropy floor,
-            a third faster to code), `packed` (the encoding before `ans`) or `coo` (TRL v1
+            about 3x faster to code), `packed` (the encoding before `ans`) or `coo` (TRL v1
             interoperable).
         policy: when to write anchors and how many to keep.
         queue_size: versions that may wait for upload before `publish` blocks (back-pressure).

@@ -467,7 +467,7 @@ def read_manifest_bytes(store: Store) -> bytes | None:
 def largest_file(kind: str, shapes: Mapping[str, tuple[int, ...]]) -> int:
     """The most bytes one file of `kind` can hold for a model of `shapes`: an anchor stores each
     element once in bf16 (2 B); a delta at most every element changed, at `coo`'s 6 B each
-    (int32 index and bf16 value; `packed` and `ans` take less); plus the largest header."""
+    (int32 index and bf16 value; `ctx`, `ans` and `packed` take less); plus the largest header."""
     elements = sum(math.prod(shape) for shape in shapes.values())
     return (2 if kind == "anchor" else 6) * elements + 8 + header_budget(len(shapes))
 

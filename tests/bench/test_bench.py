@@ -126,3 +126,33 @@ def test_blocking_bench_publishes_each_encoding_side_by_side(tmp_path, capsys):
         rows = published[encoding]
         assert [r["step"] for r in rows] == [1, 2]
         assert all(r["delta_bytes"] > 0 and r["publish_s"] > 0 for r in rows)
+
+
+def test_entropy_coder_bench_splits_integers_as_rans_does():
+    """bench.entropy_coders hands constriction the symbols `codec.rans` codes: its escape bits
+    fill exactly the raw bytes a rans stream of the same integers declares."""
+    from bench.entropy_coders import symbols
+    from deltasync.codec.rans import DIRECT, _get_leb128, encode_integers
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.integers(0, DIRECT, 500), rng.integers(DIRECT, 1 << 40, 300)])
+    split, escape_bits = symbols(values)
+    assert np.array_equal(split[:500], values[:500]) and (split[500:] >= DIRECT).all()
+    stream = encode_integers(values, 0)
+    size, p = _get_leb128(stream, 1)
+    for _ in range(int(size)):
+        _, p = _get_leb128(stream, p)
+    raw_bytes, _ = _get_leb128(stream, p)
+    assert raw_bytes == (escape_bits + 7) // 8
+
+
+def test_entropy_coder_bench_bit_lengths_are_exact_near_powers_of_two():
+    from bench.entropy_coders import symbols
+    from deltasync.codec.rans import DIRECT
+
+    k = np.arange(6, 58)
+    values = np.concatenate([(1 << k) - 1, 1 << k[:-1]]).astype(np.int64)
+    split, escape_bits = symbols(values)
+    lengths = np.array([int(v).bit_length() for v in values])
+    assert np.array_equal(split, DIRECT - 6 + lengths)
+    assert escape_bits == int((lengths - 1).sum())

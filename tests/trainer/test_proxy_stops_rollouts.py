@@ -131,7 +131,10 @@ def test_a_prompt_longer_than_the_context_says_which_flags_fix_it():
 
 
 def _probed(upstream: Upstream) -> bool:
-    return any(s.path == "/health" for s in upstream.seen)
+    """A probe of `upstream` was answered and counted: the proxy probes in rounds, so a second
+    probe seen means the first one's answer reached `Liveness` (a replica that never answered
+    is never down; the first probe alone is seen before its answer is written)."""
+    return sum(s.path == "/health" for s in upstream.seen) >= 2
 
 
 def test_every_replica_down_stops_rollouts_within_dead_after_s(fleet: list[Upstream]):
@@ -155,7 +158,7 @@ def test_a_live_server_whose_health_fails_is_down(fleet: list[Upstream]):
     while it shuts down) and answers `/health` 503."""
     replica = fleet[0]
     with AuthProxy([replica.url], TOKEN, dead_after_s=0.6, probe_s=0.05) as proxy:
-        _wait_for("a probe", lambda: _probed(replica), timeout_s=10)
+        _wait_for("an answered probe", lambda: _probed(replica), timeout_s=10)
         replica.status = 503
         _wait_for("stop", lambda: proxy.stop_reason, timeout_s=10)
     assert (

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltasync.codec import ans, ctx, decode, encode_delta
-from deltasync.codec.rans import _put_leb128, encode_integers
+from deltasync.codec.rans import _put_leb128, decode_integers, encode_integers
 from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Box
 from deltasync.kernels.changes import TensorChange
@@ -180,8 +180,6 @@ def test_the_parser_of_these_tests_reads_the_writers_blob():
 
 
 def _counts(streams, tiles):
-    from deltasync.codec.rans import decode_integers
-
     return decode_integers(streams[0], (len(streams) - 1) // 2 * tiles, "counts")
 
 
@@ -204,13 +202,20 @@ def _hostile():
     )
     yield "skips past the group's elements", _join(groups, cuts, far)
     yield "a group merged away", _join(groups - 1, cuts[:-1], streams[:-2])
+    big = [s.copy() for s in streams]  # a value code past 16 bits: a step no bf16 makes
+    vals = decode_integers(streams[2], int(counts[:tiles].sum()), "vals")
+    big[2] = encode_integers(np.concatenate([vals[:-1], [(1 << 16) - 1]]), 0)
+    yield "a value code past 16 bits", _join(groups, cuts, big)
 
 
 @pytest.mark.parametrize(("what", "blob"), list(_hostile()), ids=[w for w, _ in _hostile()])
 def test_hostile_blobs_are_refused_and_change_nothing(what, blob):
+    """Refused by the host decoder and by the device one (torch, here on CPU tensors)."""
     before = BASE.clone()
     with pytest.raises(FormatError):
         ctx.decode_tensor(blob, COUNT, BASE, SHAPE)
+    with pytest.raises(FormatError):
+        ctx.decode_on_device(blob, COUNT, BASE, SHAPE, chunk=1 << 12)
     assert torch.equal(BASE.view(torch.int16), before.view(torch.int16)), what
 
 

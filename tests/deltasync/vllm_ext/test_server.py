@@ -388,7 +388,8 @@ def _tampered_manifest(trainer: Trainer, record: SyncRecord) -> bytes:
     good = trainer.store.get(MANIFEST_PATH)
     manifest = Manifest.from_json(good)
     parsed = ParsedFile.parse(trainer.store.get(record.delta_path))
-    changes = decode(parsed, base=_state_before(trainer, record)).changes
+    before = _state_before(trainer, record)
+    changes = decode(parsed, base=before).changes
     digests = {n: e.digest for n, e in parsed.meta.tensors.items()}
     shapes = {n: e.shape for n, e in parsed.meta.tensors.items()}
     wrong = parsed.meta.state_digest + StateDigest((0, 0, 0, 1))
@@ -399,6 +400,7 @@ def _tampered_manifest(trainer: Trainer, record: SyncRecord) -> bytes:
         base_version=record.version - 1,
         state_digest=wrong,
         encoding=record.encoding,
+        base=before,
     )
     path = file_path(RUN_ID, "delta", record.version, bytes_digest(data))
     trainer.store.put(path, data)

@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from deltasync import Replica, open_store, read_manifest
-from deltasync.codec import PROTOCOL, ParsedFile, decode, read_metadata
+from deltasync.codec import PROTOCOL, ParsedFile, ctx, decode, read_metadata
 from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Box
 from deltasync.kernels.state_hash import full_state_digest
@@ -209,10 +209,20 @@ def test_a_protocol_5_file_naming_ctx_is_refused():
         ParsedFile.parse(blob)
 
 
-def test_protocol_6_ctx_bucket_replays_bitwise_whole_and_by_box(tmp_path):
+def _held(change, box: Box, width: int):
+    """(box-local indices, new bits, base bits) of a whole tensor's changes inside `box`."""
+    rows, cols = change.indices // width, change.indices % width
+    c0, c1 = box.cols or (0, width)
+    inside = (rows >= box.rows[0]) & (rows < box.rows[1]) & (cols >= c0) & (cols < c1)
+    local = (rows[inside] - box.rows[0]) * (c1 - c0) + cols[inside] - c0
+    bits = (change.values[inside], change.previous[inside])
+    return (local, *(b.view(torch.int16) for b in bits))
+
+
+def test_protocol_6_ctx_bucket_replays_bitwise_whole_by_box_and_on_device():
     """`ctx` deltas written when it became the default: a whole replica replays them with
-    their state digests; a worker holding half of `embed.weight`'s rows decodes the same
-    changes of those rows against its half."""
+    their state digests; workers holding half of `embed.weight`'s rows or half its columns
+    decode the same changes of what they hold; so does the device decoder (torch, on CPU)."""
     store = open_store(str(FIXTURES_6 / "bucket-ctx"))
     manifest = read_manifest(store)
     assert (manifest.protocol, manifest.latest_version) == ("deltasync/6", 4)
@@ -226,14 +236,20 @@ def test_protocol_6_ctx_bucket_replays_bitwise_whole_and_by_box(tmp_path):
         if entry.kind != "delta":
             continue
         whole = decode(data, base=base).changes["embed.weight"]
-        boxes = {n: Box.whole(tuple(t.shape)) for n, t in base.items()}
-        boxes["embed.weight"] = Box((128, 64), (64, 128))
-        held = base | {"embed.weight": base["embed.weight"][64:]}
-        half = decode(data, base=held, boxes=boxes)
-        inside = whole.indices >= 64 * 64
-        assert torch.equal(half.changes["embed.weight"].indices, whole.indices[inside] - 64 * 64)
-        assert torch.equal(
-            half.changes["embed.weight"].values.view(torch.int16),
-            whole.values[inside].view(torch.int16),
-        )
+        embed = base["embed.weight"]
+        for box in (Box((128, 64), (64, 128)), Box((128, 64), (0, 128), (32, 64))):
+            boxes = {n: Box.whole(tuple(t.shape)) for n, t in base.items()} | {"embed.weight": box}
+            part = embed[box.rows[0] : box.rows[1], slice(*(box.cols or (0, 64)))].contiguous()
+            got = decode(data, base=base | {"embed.weight": part}, boxes=boxes)
+            got = got.changes["embed.weight"]
+            want = _held(whole, box, 64)
+            assert torch.equal(got.indices, want[0])
+            assert torch.equal(got.values.view(torch.int16), want[1])
+            assert torch.equal(got.previous.view(torch.int16), want[2])
+        blob = safetensors.torch.load(data)["embed.weight.ctx"]
+        steps = ctx.decode_on_device(blob, whole.indices.numel(), embed, (128, 64), chunk=512)
+        assert torch.equal(steps.indices, whole.indices)
+        base_bits = embed.view(-1).view(torch.int16)[steps.indices].int()
+        new_bits = (base_bits + steps.values.view(torch.int16).int()).to(torch.int16)
+        assert torch.equal(new_bits, whole.values.view(torch.int16))
     assert replica.version == 4
