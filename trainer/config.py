@@ -11,7 +11,7 @@ from trl.experimental.async_grpo import AsyncGRPOConfig
 from .defaults import BUILT
 from .tiny_model import PRESETS, Preset, build_tiny_qwen3
 
-__all__ = ["BUILT_CHAT", "build_config", "built_preset", "prepare_model"]
+__all__ = ["BUILT_CHAT", "CPU_STALENESS", "build_config", "built_preset", "prepare_model"]
 
 # How a built model's turns are rendered: with Qwen3's empty think block in the generation
 # prompt. The template re-renders every earlier assistant turn with that block, so without it in
@@ -19,6 +19,13 @@ __all__ = ["BUILT_CHAT", "build_config", "built_preset", "prepare_model"]
 # whole tool call as context, untrained (25 tokens of drift a call), and GRPO could learn only
 # the few tokens that end the rollout, never which call to make.
 BUILT_CHAT = {"enable_thinking": False}
+# On a CPU a group of an environment's rollouts reaches the trainer about three versions after
+# it started: one version per group ahead of it in TRL's pipeline (see `build_config`). With 1,
+# about 60 % of a 40-step MCP run's samples were generated and then dropped as stale, on the
+# cores the trainer needs, and which groups survived was phase-locked to the dataset's task
+# rotation, so the groups trained were a biased sample. The sanity task keeps 1: its one-turn
+# rollouts cost little to drop, and the fresher samples make the tiny demo learn faster.
+CPU_STALENESS = 3
 
 
 def prepare_model(model: str, model_dir: str, *, seed: int = 0) -> str:
@@ -77,12 +84,13 @@ def build_config(
         seed=args.seed,
         use_cpu=cpu,
         gradient_checkpointing=not cpu,
-        # On a CPU, vLLM generates faster than the trainer learns: keep the queue to one step's
-        # samples so the trainer learns from the current policy instead of from minutes-old
-        # ones (what waits to be scored: `trainer.cpu.score_one_group_ahead`).
+        # On a CPU, vLLM generates faster than the trainer learns: keep TRL's pipeline short so
+        # the trainer learns from recent policies (one group generating, one waiting to be scored:
+        # `trainer.cpu.score_one_group_ahead`, one step's samples queued), and accept samples as
+        # old as that pipeline is deep (`CPU_STALENESS`).
         max_inflight_tasks=args.num_generations if cpu else -1,
         queue_maxsize=args.batch_size if cpu else 1024,
-        max_staleness=1 if cpu else 4,
+        max_staleness=(1 if args.env == "sanity" else CPU_STALENESS) if cpu else 4,
         dtype="float32",
     )
 

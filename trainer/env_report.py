@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FILE", "EnvReport", "load_warnings"]
+__all__ = ["FILE", "EnvReport", "RolloutTap", "load_warnings"]
 
 FILE = "env_report.json"
 _COUNTER = re.compile(r"tools/.+/(call|failure)_total")  # TRL sums them per logged step
@@ -36,13 +36,24 @@ def _thirds(values: list[float]) -> list[float] | None:
     return [sum(values[a:b]) / (b - a) for a, b in itertools.pairwise(bounds)]
 
 
-class EnvReport:
-    """Tool calls and rewards of a run, fed with every dict TRL logs (`observe`).
+def _valid_call(metrics: dict[str, Any]) -> float | None:
+    """A rollout's (or a step's mean) valid tool calls: TRL's `tools/call_frequency` (calls)
+    times one minus `tools/failure_frequency` (the share of them that failed), exact while a
+    rollout makes at most one call, as the format warm-up teaches."""
+    calls = _number(metrics.get("tools/call_frequency"))
+    if calls is None:
+        return None
+    return min(1.0, calls) * (1.0 - (_number(metrics.get("tools/failure_frequency")) or 0.0))
 
-    Per optimizer step it keeps the mean reward of the trained rollouts and their share with a
-    valid tool call: TRL's per-rollout means `tools/call_frequency` (calls) times one minus
-    `tools/failure_frequency` (the share of them that failed), exact while a rollout makes at
-    most one call, as the format warm-up teaches. `thirds` sums both up by thirds of the run."""
+
+class EnvReport:
+    """Tool calls and rewards of a run, fed with every dict TRL logs (`observe`) and, where the
+    trainer taps TRL's rollout queue (`RolloutTap`), with every rollout it takes (`observe_row`).
+
+    `thirds` sums rewards and valid tool calls up by thirds of the run: of its rollout groups in
+    the order they were started (TRL's `group_id`, the dataset's order) when rows were observed,
+    else of its optimizer steps. The order started is the fair one: a group whose task takes more
+    turns reaches the trainer later, so in training order the thirds hold the tasks unevenly."""
 
     def __init__(self, run_id: str, env: str, reward: str, tools: tuple[str, ...]):
         self.run_id, self.env, self.reward, self.tools = run_id, env, reward, tools
@@ -51,6 +62,7 @@ class EnvReport:
         self.valid_calls: list[float] = []  # per step: successful tool calls per rollout
         self.spread = False  # some logged step had rewards that differed
         self.realigned: list[float] = []  # per step: share of turn transitions TRL realigned
+        self.groups: dict[int, list[tuple[float, float | None]]] = {}  # (reward, valid call)
 
     def observe(self, logs: dict[str, Any]) -> None:
         for key, value in logs.items():
@@ -67,14 +79,43 @@ class EnvReport:
         if reward is not None:
             self.rewards.append(reward)
             self.spread = self.spread or (_number(logs.get("reward_std")) or 0.0) > 0.0
-            calls = _number(logs.get("tools/call_frequency"))
-            if calls is not None:
-                failed = _number(logs.get("tools/failure_frequency")) or 0.0
-                self.valid_calls.append(min(1.0, calls) * (1.0 - failed))
+            if (valid := _valid_call(logs)) is not None:
+                self.valid_calls.append(valid)
+
+    def observe_row(self, group_id: int, metrics: dict[str, Any]) -> None:
+        """One training row of a rollout (TRL's `RolloutSample`), stale or not."""
+        reward = _number(metrics.get("reward"))
+        if reward is not None:
+            valid = _valid_call(metrics)  # TRL leaves it out of a group that called no tool
+            if valid is None and self.tools:
+                valid = 0.0
+            self.groups.setdefault(group_id, []).append((reward, valid))
+
+    def _started(self) -> list[list[tuple[float, float | None]]]:
+        """The observed groups in the order they were started, up to the first never taken: the
+        trainer stops while slower groups started before faster ones are still running, and
+        counting only the fast ones would favour the tasks that finish first."""
+        ordered = []
+        for expected, group_id in enumerate(sorted(self.groups)):
+            if group_id != expected:
+                break
+            ordered.append(self.groups[group_id])
+        return ordered
+
+    def group_rewards(self) -> list[float]:
+        """The mean reward of each rollout group, in the order started (see `_started`)."""
+        return [sum(r for r, _ in g) / len(g) for g in self._started()]
 
     def thirds(self) -> dict[str, list[float]]:
-        """Mean reward and valid tool calls per rollout by thirds of the run's steps."""
-        found = {"reward": _thirds(self.rewards), "valid_calls": _thirds(self.valid_calls)}
+        """Mean reward and valid tool calls per rollout by thirds of the run: of its groups in
+        the order started when rows were observed, else of its steps."""
+        if len(rows := self._started()) >= 3:
+            rewards = self.group_rewards()
+            valid = [[v for _, v in group if v is not None] for group in rows]
+            calls = [sum(v) / len(v) for v in valid if v] if all(valid) else []
+        else:
+            rewards, calls = self.rewards, self.valid_calls
+        found = {"reward": _thirds(rewards), "valid_calls": _thirds(calls)}
         return {k: v for k, v in found.items() if v is not None}
 
     def summary(self) -> str | None:
@@ -129,6 +170,7 @@ class EnvReport:
             "tool_calls": self.calls,
             "tool_failures": self.failures,
             "rewards": self.rewards,
+            "group_rewards": self.group_rewards(),
             "valid_calls": self.valid_calls,
             "thirds": self.thirds(),
             "summary": self.summary(),
@@ -138,6 +180,27 @@ class EnvReport:
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, path)
         return path
+
+
+class RolloutTap:
+    """TRL's rollout queue (`AsyncGRPOTrainer.rollout_queue`) that shows every sample the
+    trainer takes from it to `report.observe_row` first; everything else goes to the queue."""
+
+    def __init__(self, rollout_queue: Any, report: EnvReport):
+        self._queue, self._report = rollout_queue, report
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        sample = self._queue.get(*args, **kwargs)
+        if self._report is not None:
+            self._report.observe_row(int(sample.group_id), sample.metrics)
+        return sample
+
+    def stop(self) -> None:
+        """Training is over: what is drained from the queue now was never trained on."""
+        self._report = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
 
 
 def load_warnings(folder: str | Path, run_id: str) -> list[str]:

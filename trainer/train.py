@@ -51,7 +51,7 @@ from deltasync.wire.source import ModelSource, resolve_source
 from . import defaults
 from .auth_proxy import AuthProxy
 from .console import console, last_lines, quiet_output
-from .env_report import EnvReport
+from .env_report import EnvReport, RolloutTap
 from .env_spec import EnvSetupError, EnvSpec, dataset_rows, env_arg, preflight, resolve
 from .resume import BucketWeights, latest_checkpoint, load_into
 from .rewards import RewardCallback, StepRewards
@@ -377,14 +377,17 @@ def _train(args: argparse.Namespace) -> int:
         )
         console.info("%s", result.line())
     trainer.add_callback(RewardCallback(rewards))
-    trainer.add_callback(_DrainRollouts(trainer))
     if trainer.rollout_worker is not None:
         _reap_failed_rollouts(trainer.rollout_worker)
         if cpu:
             score_one_group_ahead(trainer.rollout_worker)
     report = EnvReport(run_id, args.env, env.reward, env.tools) if env else None
     if report is not None:
-        trainer.add_callback(_ReportCallback(report))
+        tap = None
+        if trainer.rollout_queue is not None:  # before train() builds its dataset on the queue
+            trainer.rollout_queue = tap = RolloutTap(trainer.rollout_queue, report)
+        trainer.add_callback(_ReportCallback(report, tap))
+    trainer.add_callback(_DrainRollouts(trainer))  # after the tap stops: drained rows are untrained
     console.info(
         "run %s: %d steps of %s, bucket %s, replicas %s",
         run_id,
@@ -533,12 +536,16 @@ def _task(args: argparse.Namespace, tokenizer, env: EnvSpec | None) -> dict:
 class _ReportCallback(TrainerCallback):
     """Feeds every dict TRL logs to the environment report."""
 
-    def __init__(self, report: EnvReport):
-        self.report = report
+    def __init__(self, report: EnvReport, tap: RolloutTap | None):
+        self.report, self.tap = report, tap
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs:
             self.report.observe(logs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.tap is not None:
+            self.tap.stop()
 
 
 class _DrainRollouts(TrainerCallback):

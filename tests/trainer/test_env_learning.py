@@ -6,12 +6,13 @@ them.
 A random model never writes a parseable tool call, so the trainer first runs its format warm-up
 (`trainer.warmup`: supervised steps on synthetic calls drawn from the tools' schemas, on reset
 seeds the training rows never use, never the task's answer). Measured by the trainer's own
-end-of-run report (`env_report.json`) by thirds of the run: the rollouts then call the tools
-validly (at least 30 % in the last third; ~95 % for Wordle, 60-80 % for the MCP server) and
-their rewards differ, so GRPO has something to learn from; the report's warnings, asserted
-empty, include TRL realigning the turns (a tool call kept as untrained context). Whether the mean
-reward rises within 24 CPU steps varies from run to run (README, "Environment runs on the local
-model"), so it is reported, not asserted.
+end-of-run report (`env_report.json`) by thirds of the run's rollout groups in the order they
+were started (every row the trainer took from TRL's queue, `trainer.env_report.RolloutTap`): the
+rollouts then call the tools validly (at least 30 % in the last third; ~95 % for Wordle, 60-80 %
+for the MCP server) and their rewards differ, so GRPO has something to learn from; the report's
+warnings, asserted empty, include TRL realigning the turns (a tool call kept as untrained
+context). Whether the mean reward rises within 24 CPU steps varies from run to run (README,
+"Environment runs on the local model"), so it is reported, not asserted.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def _run(shared: Path, model: Path, url: str, kind: str, env: str, env_url: str)
     report = json.loads((shared / f"out-{kind}" / "env_report.json").read_text())
     print(f"{kind}: {report['summary']}")
     assert not report["warnings"], report["warnings"]
+    # thirds of the groups as started: every trained group was seen (and those dropped as stale)
+    assert len(report["group_rewards"]) >= STEPS, report["group_rewards"]
     return report
 
 

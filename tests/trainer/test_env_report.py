@@ -4,8 +4,10 @@ got a successful tool call or a changing reward, and `launch.py` reads its warni
 from __future__ import annotations
 
 import json
+import queue
+from types import SimpleNamespace
 
-from trainer.env_report import FILE, EnvReport, load_warnings
+from trainer.env_report import FILE, EnvReport, RolloutTap, load_warnings
 
 
 def _report(*logs: dict, tools: tuple[str, ...] = ("add", "shout")) -> EnvReport:
@@ -102,3 +104,32 @@ def test_no_thirds_under_three_steps_and_no_call_share_without_tools():
     assert _report(_learning_step(0.1, 1.0), _learning_step(0.2, 1.0)).summary() is None
     report = _report(*(_step(0.1 * i, 0.1) for i in range(3)), tools=())
     assert report.summary() == "by thirds of the run: mean reward 0.000 / 0.100 / 0.200"
+
+
+def test_thirds_follow_the_order_the_groups_started():
+    """A group whose task takes more turns reaches the trainer later: rows taken out of order
+    still count in the third their group started in (TRL's `group_id`, the dataset's order), and
+    groups after one never taken (still running when training ended) do not count."""
+    report = _report(*(_learning_step(0.9, 1.0) for _ in range(6)))  # the steps' order: ignored
+    for group in (1, 0, 3, 2, 5, 4, 7):  # group 6 is still running when training ends
+        for reward in (0.1 * group - 0.05, 0.1 * group + 0.05):  # two rows, mean 0.1 * group
+            # no tool call in groups 0 and 1 (TRL then sends no call metrics), one in the rest
+            calls = {"tools/call_frequency": 1.0, "tools/failure_frequency": 0.0}
+            report.observe_row(group, {"reward": reward, **(calls if group > 1 else {})})
+    thirds = report.thirds()
+    assert [round(v, 3) for v in thirds["reward"]] == [0.05, 0.25, 0.45]
+    assert thirds["valid_calls"] == [0.0, 1.0, 1.0]
+    assert [round(v, 3) for v in report.group_rewards()] == [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
+
+
+def test_the_tap_shows_the_trainer_s_rows_until_training_ends():
+    rows = queue.Queue()
+    for group, reward in ((2, 0.5), (0, 0.0), (1, 1.0), (3, 0.25)):
+        rows.put(SimpleNamespace(group_id=group, metrics={"reward": reward}))
+    report = _report()
+    tap = RolloutTap(rows, report)
+    taken = [tap.get(timeout=1).group_id for _ in range(3)]
+    assert taken == [2, 0, 1] and tap.qsize() == 1  # samples pass through; the rest is the queue's
+    tap.stop()
+    tap.get(timeout=1)  # drained after training: not a rollout the run trained on
+    assert report.group_rewards() == [0.0, 1.0, 0.5]
