@@ -1,7 +1,8 @@
-"""What an environment run taught, from TRL's per-step logs: did any tool call succeed, did the
-reward ever change. A run where neither happened learned nothing, and says so at its end (the
-trainer's log and `launch.py`'s summary, which reads `env_report.json` in the trainer's output
-folder). Stdlib only: the launcher reads it without torch.
+"""What an environment run taught, from TRL's per-step logs and the rollouts the trainer took:
+did any tool call succeed, did the reward ever change, how both went by thirds of the run. A run
+where neither happened learned nothing, and says so at its end (the trainer's log and
+`launch.py`'s summary, which reads `env_report.json` in the trainer's output folder). Stdlib
+only: the launcher reads it without torch.
 """
 
 from __future__ import annotations
@@ -110,9 +111,9 @@ class EnvReport:
         """Mean reward and valid tool calls per rollout by thirds of the run: of its groups in
         the order started when rows were observed, else of its steps."""
         if len(rows := self._started()) >= 3:
-            rewards = self.group_rewards()
+            rewards = [sum(r for r, _ in group) / len(group) for group in rows]
             valid = [[v for _, v in group if v is not None] for group in rows]
-            calls = [sum(v) / len(v) for v in valid if v] if all(valid) else []
+            calls = [sum(v) / len(v) for v in valid] if all(valid) else []  # None: no tools
         else:
             rewards, calls = self.rewards, self.valid_calls
         found = {"reward": _thirds(rewards), "valid_calls": _thirds(calls)}
