@@ -1,3 +1,98 @@
 """Root conftest: its folder (tests/) goes on sys.path, so test modules can import the shared
 helpers in `model_steps.py`. (Conftest modules all share the import name `conftest`, so they are
-not importable helpers themselves.)"""
+not importable helpers themselves.)
+
+Under pytest-xdist (README's test command: `-n 2`) the hooks below share the machine between the
+workers (`machine_share`): module-sized work units, the longest queued first, each worker's vLLM
+engines on its own cores, and `whole_machine` tests alone on the machine."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+from machine_share import (
+    BIND_ENV,
+    SPLIT_MODULES,
+    MachineLock,
+    affinity,
+    queue_rank,
+    worker_cores,
+)
+
+# An example's time depends on what runs beside it: no per-example deadline.
+settings.register_profile("shared-machine", deadline=None)
+settings.load_profile("shared-machine")
+
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... (None: not under xdist)
+_USER_BIND = os.environ.get(BIND_ENV)
+# One folder per run, the same for its workers (xdist gives them the run's id).
+_LOCK = (
+    None
+    if WORKER is None
+    else MachineLock(
+        Path(tempfile.gettempdir()) / f"pytest-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+    )
+)
+
+
+def pytest_configure() -> None:
+    """Under xdist: this worker's vLLM engines on its own cores."""
+    if WORKER is not None and _USER_BIND is None:
+        workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+        os.environ[BIND_ENV] = worker_cores(int(WORKER[2:]), workers, affinity())
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest modules first; the same order on every worker (xdist checks it)."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: queue_rank(_module(item.nodeid), item.path in slow))
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Units of work as `machine_share` says: a module, or a test of `SPLIT_MODULES`; queued
+    in collection order (xdist would sort them by their number of tests)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module(nodeid)
+            return nodeid if module in SPLIT_MODULES else module
+
+    config.option.loadscopereorder = False
+    return ModuleScheduling(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """The lock is held from the item's setup (module and session fixtures included: servers
+    start there) to its teardown."""
+    if _LOCK is None:
+        return (yield)
+    alone = item.get_closest_marker("whole_machine") is not None
+    with _LOCK.hold(exclusive=alone), _bind_for(alone):
+        return (yield)
+
+
+@contextlib.contextmanager
+def _bind_for(alone: bool) -> Iterator[None]:
+    """A `whole_machine` test sees the user's own binding (none: launch.py splits the cores)."""
+    if not alone or _USER_BIND is not None:
+        yield
+        return
+    bound = os.environ.pop(BIND_ENV, None)
+    try:
+        yield
+    finally:
+        if bound is not None:
+            os.environ[BIND_ENV] = bound

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.latency_store import main
 
 
+@pytest.mark.whole_machine  # a ratio of timings
 def test_latency_store_bench_at_tiny_size(tmp_path, capsys) -> None:
     out = tmp_path / "latency.json"
     argv = ["--versions", "2", "--latencies-ms", "0", "20", "--poll-s", "0.1"]

@@ -180,6 +180,7 @@ def _median(values: list[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
+@pytest.mark.whole_machine  # a core per engine, spread and latency
 def test_two_replicas_share_the_rollouts_and_serve_every_version_in_flat_time(tmp_path, model_dir):
     """The fleet as its users see it: with `--replicas 2` each engine gets its own core and the
     router spreads the rollouts (the busiest at most 1.5x the mean; before, one took 1.4 %),

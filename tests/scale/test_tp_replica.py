@@ -22,7 +22,8 @@ from deltasync.vllm_ext.client import ReplicaClient
 from deltasync.wire.digests import tensor_digest
 from deltasync.wire.manifest import read_manifest
 
-pytestmark = pytest.mark.slow
+# alone on the machine: its two workers bind both cores
+pytestmark = [pytest.mark.slow, pytest.mark.whole_machine]
 
 TOKEN = f"test-{secrets.token_hex(16)}"
 START_TIMEOUT_S = 420.0

@@ -11,8 +11,8 @@ were started (every row the trainer took from TRL's queue, `trainer.env_report.R
 rollouts then call the tools validly (at least 30 % in the last third; ~95 % for Wordle, 60-80 %
 for the MCP server) and their rewards differ, so GRPO has something to learn from; the report's
 warnings, asserted empty, include TRL realigning the turns (a tool call kept as untrained
-context). Whether the mean reward rises within 24 CPU steps varies from run to run (README,
-"Environment runs on the local model"), so it is reported, not asserted.
+context). Whether the mean reward rises within a few dozen CPU steps varies from run to run
+(README, "Environment runs on the local model"), so it is reported, not asserted.
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ from pathlib import Path
 import pytest
 from trainer_cli import TOKEN, metrics, run_trainer, train_command
 
-pytestmark = pytest.mark.slow
-STEPS = 24
+# alone on the machine: the share of valid calls is paced by the CPU
+pytestmark = [pytest.mark.slow, pytest.mark.whole_machine]
+# Four groups a third: the thirds' shares, with the warm-up's format already learnt (the first
+# third of a 40-step MCP run calls validly 42 % of the time, README). Each run also takes the
+# initial sync and a delta per step, each verified on the replica.
+STEPS = 12
 
 
 @pytest.fixture(scope="module")

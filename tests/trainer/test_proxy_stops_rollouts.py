@@ -137,6 +137,7 @@ def _probed(upstream: Upstream) -> bool:
     return sum(s.path == "/health" for s in upstream.seen) >= 2
 
 
+@pytest.mark.whole_machine  # a stop within 3 s
 def test_every_replica_down_stops_rollouts_within_dead_after_s(fleet: list[Upstream]):
     with AuthProxy([u.url for u in fleet], TOKEN, dead_after_s=0.6, probe_s=0.05) as proxy:
         _wait_for("probes", lambda: all(_probed(u) for u in fleet), timeout_s=10)

@@ -72,6 +72,7 @@ def _too_long_for_the_context(url: str, model: str) -> str | None:
     return proxy.stop_reason
 
 
+@pytest.mark.whole_machine  # stops within 30 s
 def test_a_dead_engine_behind_a_live_api_server_stops_the_run(tmp_path: Path, tiny_model_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"

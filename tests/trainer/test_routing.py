@@ -436,6 +436,7 @@ def test_concurrent_completions_are_spread_evenly(fleet: list[Upstream]):
     assert sum(counts) == 48 and min(counts) >= 10, counts
 
 
+@pytest.mark.whole_machine  # answers within a 0.5 s stall
 def test_a_stalled_replica_s_request_is_answered_by_another(fleet: list[Upstream]):
     """fleet[0] takes a request and answers nothing (a hung engine, a partitioned Space): after
     `stall_s` the caller gets its answer from another replica, and fleet[0] sits out its

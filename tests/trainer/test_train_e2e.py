@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# alone on the machine: the reward's rise is paced by the CPU (stale rollouts dropped)
+pytestmark = [pytest.mark.slow, pytest.mark.whole_machine]
 TOKEN = f"test-{secrets.token_hex(16)}"
 
 

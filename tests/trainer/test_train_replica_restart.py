@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from trainer_cli import TOKEN, metrics, train_command, trainer_process, wait_until
 
-pytestmark = pytest.mark.slow
+# alone on the machine: the kill and the restart race the run's pace
+pytestmark = [pytest.mark.slow, pytest.mark.whole_machine]
 STEPS = 14  # room after the restart even when syncs to the victim trailed the run by 7 versions
 KILL_AFTER = 2  # versions verified on the victim before it is killed
 FAILED_BEFORE_RESTART = 2  # versions whose sync to the dead replica failed while training went on

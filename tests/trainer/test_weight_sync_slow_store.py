@@ -13,6 +13,7 @@ import re
 import threading
 import time
 
+import pytest
 import torch
 from model_steps import AdamWLoop, tiny_qwen3
 
@@ -81,6 +82,7 @@ class InProcessReplica:
         return {"digests": {n: tensor_digest(t) for n, t in self.replica.tensors.items()}}
 
 
+@pytest.mark.whole_machine  # uploads timed against steps
 def test_steps_continue_during_slow_uploads_and_no_version_is_lost(tmp_path):
     store = SlowStore(tmp_path)
     follower = InProcessReplica(store)

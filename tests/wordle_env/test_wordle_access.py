@@ -74,6 +74,7 @@ def _session(limits: SessionLimits) -> TestClient:
     return TestClient(create_wordle_app(4, limits))
 
 
+@pytest.mark.whole_machine  # plays within a 1.5 s lifetime
 def test_a_session_ends_at_its_lifetime_however_it_plays() -> None:
     limits = SessionLimits(first_message_s=30, idle_s=30, lifetime_s=1.5)
     with _session(limits) as client, client.websocket_connect("/ws") as ws:

@@ -6,6 +6,7 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -101,6 +102,7 @@ async def _load(url: str) -> None:
     await _reset_all(url, polite=True)
 
 
+@pytest.mark.whole_machine  # 256 sessions against deadlines
 def test_256_concurrent_games_then_capacity_and_release(load_server_url: str) -> None:
     url = load_server_url.replace("http://", "ws://") + "/ws"
     asyncio.run(asyncio.wait_for(_load(url), DEADLINE_S))

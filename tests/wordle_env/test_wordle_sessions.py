@@ -13,6 +13,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from wordle_env.server.sessions import IDLE_CLOSE_CODE, MAX_INVALID_FRAMES, POLICY_CLOSE_CODE
 
+pytestmark = pytest.mark.whole_machine  # 256 sockets against deadlines of 6 and 8 s
 CAPACITY = 256
 OPEN_TIMEOUT_S = 30.0
 RECV_TIMEOUT_S = 10.0

@@ -97,6 +97,7 @@ def test_small_objects_and_one_stream_take_one_get(tmp_path: Path) -> None:
     assert [c.kind for c in store.calls] == ["get", "get"]
 
 
+@pytest.mark.whole_machine  # a ratio of timings
 def test_parallel_ranges_beat_one_stream(tmp_path: Path) -> None:
     """With a bandwidth cap per stream, 8 ranges at once move about 8x the bytes per second."""
     data = os.urandom(4 * 1024 * KIB)
