@@ -16,9 +16,21 @@ import psutil
 
 from deltasync.vllm_ext.client import ReplicaClient
 
-__all__ = ["free_port", "served"]
+__all__ = ["free_port", "served", "wait_ready"]
 
 START_TIMEOUT_S = 900.0
+READY_LINE = "ready on"  # what `deltasync.vllm_ext.serve` logs once it answers
+POLL_S = 0.2  # a log file read costs nothing beside a vLLM start
+
+
+def wait_ready(log: Path, proc: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Return once the server logged that it is ready; raise with the log's tail if it exited
+    or `timeout_s` passed first."""
+    deadline = time.monotonic() + timeout_s
+    while READY_LINE not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"server not ready:\n{log.read_text(errors='replace')[-4000:]}")
+        time.sleep(POLL_S)
 
 
 def free_port() -> int:
@@ -58,11 +70,7 @@ def served(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "ready on" not in log.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready:\n{log.read_text(errors='replace')[-3000:]}")
-            time.sleep(1.0)
+        wait_ready(log, proc)
         client = ReplicaClient(f"http://127.0.0.1:{port}", token, timeout_s=1800)
         yield client, psutil.Process(proc.pid)
     finally:

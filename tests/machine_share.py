@@ -35,17 +35,28 @@ __all__ = [
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 # Modules whose tests each start their own servers and share nothing costly: a unit per test.
 SPLIT_MODULES = ("tests/deltasync/vllm_ext/test_family_servers.py",)
-# The longest units on 2 cores (clean-clone `--durations=0`), longest first.
+# The longest units (a clean-clone `.ci/run`'s `--durations=0` on 2 cores), longest first: those
+# holding `whole_machine` tests before the rest, so that those run one after another at the start
+# (each waits for one test of the other worker at most) and the shared ones fill the time after.
 LONGEST_FIRST = (
-    "tests/trainer/test_env_learning.py",
-    "tests/deltasync/vllm_ext/test_family_servers.py",
-    "tests/launch/test_launch_local_e2e.py",
+    "tests/trainer/test_env_learning.py",  # whole_machine
+    "tests/trainer/test_train_replica_restart.py",  # whole_machine
+    "tests/scale/test_tp_replica.py",  # whole_machine
+    "tests/launch/test_launch_local_e2e.py",  # one whole_machine test
+    "tests/trainer/test_train_e2e.py",  # whole_machine
+    "tests/trainer/test_replica_death.py",  # one whole_machine test
+    "tests/deltasync/vllm_ext/test_family_servers.py",  # a unit per family
     "tests/deltasync/vllm_ext/test_chaos.py",
-    "tests/scale/test_tp_replica.py",
-    "tests/deltasync/vllm_ext/test_server.py",
-    "tests/trainer/test_train_replica_restart.py",
-    "tests/trainer/test_train_trainer_restart.py",
     "tests/trainer/test_train_resume.py",
+    "tests/trainer/test_train_trainer_restart.py",
+    "tests/trainer/test_train_envs.py",
+    "tests/launch/test_launch_local_env_class.py",
+    "tests/scale/test_fsdp_publish.py",
+    "tests/deltasync/vllm_ext/test_follow_server.py",
+    "tests/deltasync/vllm_ext/test_server.py",
+    "tests/deltasync/vllm_ext/test_control_plane.py",
+    "tests/deltasync/vllm_ext/test_restart.py",
+    "tests/bench/test_gpu_check.py",
 )
 
 

@@ -122,6 +122,23 @@ class Launch:
             assert time.monotonic() < deadline, f"no {needle!r} in time:\n{self.text[-6000:]}"
             time.sleep(0.5)
 
+    def wait_until(self, what: str, probe, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not probe():
+            assert self.proc.poll() is None, f"launch.py ended early:\n{self.text[-6000:]}"
+            assert time.monotonic() < deadline, f"no {what} in time:\n{self.text[-6000:]}"
+            time.sleep(0.2)
+
+    def engine_spawned(self) -> bool:
+        """Whether a replica's vLLM server has spawned its engine process (mid start-up: the
+        deepest process tree a replica has)."""
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if "vllm.entrypoints.openai.api_server" in p.cmdline() and p.children():
+                        return True
+        return False
+
     def finish(self, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
         while self.proc.poll() is None and time.monotonic() < deadline:
@@ -159,7 +176,7 @@ def test_ctrl_c_during_start_up_stops_everything(tmp_path, model_dir):
     run = Launch(tmp_path, model_dir, "--steps", "3")
     try:
         run.wait_for("starting dashboard, vllm-0", DEADLINE_S)
-        time.sleep(15)  # the replica is starting
+        run.wait_until("vLLM engine process", run.engine_spawned, DEADLINE_S)
         run.watch()
         os.kill(run.proc.pid, signal.SIGINT)  # what Ctrl-C sends to launch.py
         code = run.finish(120)

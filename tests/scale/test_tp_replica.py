@@ -8,7 +8,6 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -16,6 +15,7 @@ import safetensors.torch
 import torch
 from server_process import free_port, stop_server
 
+from bench.server import wait_ready
 from deltasync.kernels.boxes import Box, check_cover
 from deltasync.store import LocalStore
 from deltasync.vllm_ext.client import ReplicaClient
@@ -62,11 +62,7 @@ def tp_server(model_dir, bucket, log, *extra: str):
         proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     children: list[int] = []
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "ready on" not in log.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"TP replica not ready:\n{log.read_text()[-4000:]}")
-            time.sleep(1.0)
+        wait_ready(log, proc, START_TIMEOUT_S)
         children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         client = ReplicaClient(f"http://127.0.0.1:{port}", TOKEN, timeout_s=300)
         client.init(str(bucket))

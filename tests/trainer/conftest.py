@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +14,8 @@ import psutil
 import pytest
 from no_torch_site import UNIMPORTABLE, without_modules
 from server_process import free_port, still_running
+
+from bench.server import wait_ready
 
 START_TIMEOUT_S = 300.0
 
@@ -61,13 +62,7 @@ class ReplicaProcess:
             )
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "ready on" not in self.log.read_text(errors="replace"):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(
-                    f"replica not ready:\n{self.log.read_text(errors='replace')[-3000:]}"
-                )
-            time.sleep(1.0)
+        wait_ready(self.log, self.proc, START_TIMEOUT_S)
 
     def _child_groups(self) -> list[int]:
         """Process groups of the serve process's children (vLLM's own session)."""

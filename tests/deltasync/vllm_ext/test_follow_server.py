@@ -26,7 +26,7 @@ import torch
 from model_steps import AdamWLoop
 from server_process import stop_server
 
-from bench.server import free_port
+from bench.server import free_port, wait_ready
 from deltasync.kernels.state_hash import full_state_digest
 from deltasync.publisher.publisher import Publisher, PublisherConfig, SyncRecord
 from deltasync.publisher.snapshot import Bf16Snapshot
@@ -149,12 +149,7 @@ def follower(tmp_path_factory) -> Replica:
         )
     children: list[int] = []
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "ready on" not in state.log.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = state.log.read_text(errors="replace")[-4000:]
-                raise AssertionError(f"server not ready:\n{tail}")
-            time.sleep(1.0)
+        wait_ready(state.log, proc, START_TIMEOUT_S)
         children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         state.client = ReplicaClient(f"http://127.0.0.1:{port}", TOKEN, timeout_s=120)
         yield state

@@ -15,7 +15,6 @@ import re
 import secrets
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 import torch
 from server_process import free_port, stop_server
 
+from bench.server import wait_ready
 from deltasync.publisher.publisher import Publisher, PublisherConfig, SyncRecord
 from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.store import open_store
@@ -158,13 +158,7 @@ def served(tmp_path_factory) -> Served:
     client = ReplicaClient(f"http://127.0.0.1:{port}", TOKEN, timeout_s=300)
     children: list[int] = []
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline and proc.poll() is None:
-            if "ready on" in log.read_text(errors="replace"):
-                break
-            time.sleep(1.0)
-        else:
-            raise AssertionError(f"server not ready:\n{log.read_text(errors='replace')[-4000:]}")
+        wait_ready(log, proc, START_TIMEOUT_S)
         children = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         anonymous = ReplicaClient(client.base_url, None, timeout_s=30)
         yield Served(trainer, client, anonymous, str(trainer.model_dir), log)
