@@ -18,10 +18,10 @@ import pytest
 from hypothesis import settings
 from machine_share import (
     BIND_ENV,
-    SPLIT_MODULES,
     MachineLock,
     affinity,
     queue_rank,
+    unit_of,
     worker_cores,
 )
 
@@ -50,27 +50,22 @@ def pytest_configure() -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest modules first; the same order on every worker (xdist checks it)."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: queue_rank(_module(item.nodeid), item.path in slow))
-
-
-def _module(nodeid: str) -> str:
-    return nodeid.split("::", 1)[0]
+    """The longest units first; the same order on every worker (xdist checks it)."""
+    slow = {unit_of(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: queue_rank(item.nodeid, unit_of(item.nodeid) in slow))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """Units of work as `machine_share` says: a module, or a test of `SPLIT_MODULES`; queued
-    in collection order (xdist would sort them by their number of tests)."""
+    """Units of work as `machine_share.unit_of` says, queued in collection order (xdist would
+    sort them by their number of tests)."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class ModuleScheduling(LoadScopeScheduling):
+    class UnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = _module(nodeid)
-            return nodeid if module in SPLIT_MODULES else module
+            return unit_of(nodeid)
 
     config.option.loadscopereorder = False
-    return ModuleScheduling(config, log)
+    return UnitScheduling(config, log)
 
 
 @pytest.hookimpl(wrapper=True)

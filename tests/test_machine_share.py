@@ -9,7 +9,15 @@ import os
 import time
 from pathlib import Path
 
-from machine_share import LONGEST_FIRST, MachineLock, queue_rank, worker_cores
+from machine_share import (
+    FOLDER_UNITS,
+    LONGEST_FIRST,
+    SPLIT_MODULES,
+    MachineLock,
+    queue_rank,
+    unit_of,
+    worker_cores,
+)
 
 WAIT_S = 30.0
 
@@ -110,8 +118,22 @@ def test_each_worker_gets_its_own_cores():
     assert [worker_cores(w, 3, [0, 1]) for w in range(3)] == ["0", "1", "0"]  # round-robin
 
 
-def test_the_longest_modules_are_queued_first():
-    modules = ["tests/a_fast.py", "tests/b_slow.py", LONGEST_FIRST[1], LONGEST_FIRST[0]]
-    slow = {"tests/b_slow.py", LONGEST_FIRST[0], LONGEST_FIRST[1]}
-    ordered = sorted(modules, key=lambda m: queue_rank(m, m in slow))
-    assert ordered == [LONGEST_FIRST[0], LONGEST_FIRST[1], "tests/b_slow.py", "tests/a_fast.py"]
+def test_the_longest_units_are_queued_first():
+    first, folder = LONGEST_FIRST[0], FOLDER_UNITS[0]
+    assert LONGEST_FIRST.index(folder) > 0
+    tests = [
+        "tests/a_fast.py::test_a",
+        "tests/b_slow.py::test_b",
+        f"{folder}test_x.py::test_c",
+        f"{first}::test_d",
+    ]
+    slow = {unit_of(t) for t in tests[1:]}
+    ordered = sorted(tests, key=lambda t: queue_rank(t, unit_of(t) in slow))
+    assert ordered == [tests[3], tests[2], tests[1], tests[0]]
+
+
+def test_units_are_modules_but_for_split_modules_and_folder_units():
+    assert unit_of("tests/a/test_x.py::test_y[1]") == "tests/a/test_x.py"
+    split = f"{SPLIT_MODULES[0]}::test_family[llama]"
+    assert unit_of(split) == split
+    assert unit_of(f"{FOLDER_UNITS[0]}test_x.py::test_y") == FOLDER_UNITS[0]

@@ -142,7 +142,7 @@ def test_retention_deletes_every_part_it_drops(tmp_path):
     assert [a.version for a in manifest.anchors] == [5]
 
 
-def test_moe_ranks_publish_checkpoint_tensors_that_vllm_replays(tmp_path):
+def test_moe_ranks_publish_checkpoint_tensors_that_vllm_replays(tmp_path, sharded_moe_run):
     """Qwen3-MoE under FSDP2: each rank holds half of every fused expert tensor and publishes
     the per-expert checkpoint tensors inside it. A one-process replica replays every version
     bit for bit, and vLLM's own MoE model following the bucket holds what a fresh load of each
@@ -151,22 +151,11 @@ def test_moe_ranks_publish_checkpoint_tensors_that_vllm_replays(tmp_path):
     from test_family_sinks import assert_served_equal
     from vllm_qwen3 import build_vllm_model
 
-    from bench.families import build_family
     from deltasync.tools.export.version import export
     from deltasync.vllm_ext.apply.device import InPlaceSink
     from deltasync.vllm_ext.apply.layout import LayoutOf
 
-    bucket, expected = tmp_path / "bucket", tmp_path / "exp"
-    torchrun(
-        "--family",
-        "qwen3-moe",
-        "--bucket",
-        str(bucket),
-        "--steps",
-        "5",
-        "--expected",
-        str(expected),
-    )
+    bucket, expected = sharded_moe_run / "bucket", sharded_moe_run / "exp"
     assert_replays_bitwise(bucket, expected, range(1, 7))
     store = LocalStore(str(bucket))
     first = read_manifest(store).anchors[0]
@@ -174,8 +163,7 @@ def test_moe_ranks_publish_checkpoint_tensors_that_vllm_replays(tmp_path):
     expert = "model.layers.0.mlp.experts.{}.gate_proj.weight"
     assert rows[0][expert.format(0)] == (0, 32) and rows[1][expert.format(0)] == (32, 32)
     assert rows[0][expert.format(7)] == (0, 0) and rows[1][expert.format(7)] == (0, 32)
-    model_dir = tmp_path / "model"  # config and tokenizer (the weights come from the bucket)
-    build_family("qwen3-moe", model_dir)
+    model_dir = sharded_moe_run / "model"  # config and tokenizer (weights: the bucket's)
     model = build_vllm_model(model_dir)
     replica = Replica(InPlaceSink(model, LayoutOf(model, model.vllm_config)))
     for version in range(1, 7):
