@@ -18,6 +18,7 @@ import pytest
 from hypothesis import settings
 from machine_share import (
     BIND_ENV,
+    WHOLE_MACHINE,
     MachineLock,
     affinity,
     queue_rank,
@@ -50,7 +51,18 @@ def pytest_configure() -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest units first; the same order on every worker (xdist checks it)."""
+    """The `whole_machine` unit, then the longest units; the same order on every worker (xdist
+    checks it). A `whole_machine` test outside the listed units is refused: its worker would
+    wait for the other's test, and the other for it."""
+    stray = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker(WHOLE_MACHINE) and unit_of(item.nodeid) != WHOLE_MACHINE
+    ]
+    if stray:
+        raise pytest.UsageError(
+            f"whole_machine tests outside machine_share.WHOLE_MACHINE_UNITS: {stray}"
+        )
     slow = {unit_of(item.nodeid) for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: queue_rank(item.nodeid, unit_of(item.nodeid) in slow))
 
@@ -68,15 +80,28 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return UnitScheduling(config, log)
 
 
+def _alone(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker(WHOLE_MACHINE) is not None
+
+
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """The lock is held from the item's setup (module and session fixtures included: servers
-    start there) to its teardown."""
+    start there) to its teardown, and an exclusive hold into the next item if it is
+    `whole_machine` too."""
     if _LOCK is None:
         return (yield)
-    alone = item.get_closest_marker("whole_machine") is not None
-    with _LOCK.hold(exclusive=alone), _bind_for(alone):
-        return (yield)
+    alone = _alone(item)
+    if _LOCK.held and not (alone and _LOCK.exclusive):
+        _LOCK.release()
+    if not _LOCK.held:
+        _LOCK.acquire(exclusive=alone)
+    try:
+        with _bind_for(alone):
+            return (yield)
+    finally:
+        if not (alone and _alone(nextitem)):
+            _LOCK.release()
 
 
 @contextlib.contextmanager

@@ -2,32 +2,37 @@
 
 - Every test holds a shared lock on the machine while it runs; a test marked `whole_machine`
   (it asserts timings, a spread of work over engines or learning paced by the CPU) holds it
-  exclusively, so no other test runs beside it. A turnstile lock keeps the exclusive one from
-  waiting forever behind a stream of shared ones (`flock` itself is not fair).
+  exclusively, so no other test runs beside it, and keeps holding it into the next test when
+  that one is `whole_machine` too. A turnstile lock keeps the exclusive one from waiting
+  forever behind a stream of shared ones (`flock` itself is not fair).
 - Each worker's vLLM engines are bound to that worker's share of the cores
   (`VLLM_CPU_OMP_THREADS_BIND`): vLLM's own `auto` binds every engine to the same first cores, so
   two workers' engines would share one core while the other sat idle. A `whole_machine` test
   gets the variable back as the user's machine has it (launch.py splits the cores itself).
-- Work units are modules (a module's fixtures, servers among them, start once), except the
-  modules in `SPLIT_MODULES`, whose tests are independent and long, and whose units are tests,
-  and the folders in `FOLDER_UNITS`, whose modules share session fixtures (a worker builds a
-  session fixture for itself). The longest units are queued first (`LONGEST_FIRST`, then the
-  other slow modules), so that at the end the workers share the many short ones; the order
-  never changes what a test checks.
+- Work units are modules (a module's fixtures, servers among them, start once), except:
+  the modules in `SPLIT_MODULES`, whose tests are independent and long (a unit per test); the
+  folders in `FOLDER_UNITS`, whose modules share session fixtures (a worker builds a session
+  fixture for itself); and the modules in `WHOLE_MACHINE_UNITS`, which hold the `whole_machine`
+  tests and make one unit, queued first, so that one worker runs those tests one after another
+  while the other waits once, instead of each of them waiting for whatever long test the other
+  worker is in. Then the longest units (`LONGEST_FIRST`, then the other slow ones), so that
+  at the end the workers share the many short ones. The order never changes what a test checks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 __all__ = [
     "BIND_ENV",
+    "FOLDER_UNITS",
     "LONGEST_FIRST",
     "SPLIT_MODULES",
+    "WHOLE_MACHINE",
+    "WHOLE_MACHINE_UNITS",
     "MachineLock",
     "affinity",
     "queue_rank",
@@ -36,20 +41,31 @@ __all__ = [
 ]
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+WHOLE_MACHINE = "whole_machine"  # the marker, and the name of the unit of its modules
 # Modules whose tests each start their own servers and share nothing costly: a unit per test.
 SPLIT_MODULES = ("tests/deltasync/vllm_ext/test_family_servers.py",)
 # Folders whose modules share session fixtures (torchrun runs): one unit each.
 FOLDER_UNITS = ("tests/scale/",)
-# The longest units (a clean-clone `.ci/run`'s `--durations=0` on 2 cores), longest first: those
-# holding `whole_machine` tests before the rest, so that those run one after another at the start
-# (each waits for one test of the other worker at most) and the shared ones fill the time after.
+# Every module (or folder unit) holding a `whole_machine` test, its longest first (conftest
+# refuses a marked test elsewhere).
+WHOLE_MACHINE_UNITS = (
+    "tests/trainer/test_env_learning.py",
+    "tests/trainer/test_train_replica_restart.py",
+    "tests/scale/",
+    "tests/launch/test_launch_local_e2e.py",
+    "tests/trainer/test_train_e2e.py",
+    "tests/trainer/test_replica_death.py",
+    "tests/wordle_env/test_wordle_sessions.py",
+    "tests/wordle_env/test_wordle_load.py",
+    "tests/wordle_env/test_wordle_access.py",
+    "tests/trainer/test_weight_sync_slow_store.py",
+    "tests/trainer/test_routing.py",
+    "tests/trainer/test_proxy_stops_rollouts.py",
+    "tests/deltasync/store/test_store_latency.py",
+    "tests/bench/test_latency_store_bench.py",
+)
+# The other long units (a clean-clone `.ci/run`'s `--durations=0` on 2 cores), longest first.
 LONGEST_FIRST = (
-    "tests/trainer/test_env_learning.py",  # whole_machine
-    "tests/trainer/test_train_replica_restart.py",  # whole_machine
-    "tests/scale/",  # test_tp_replica is whole_machine
-    "tests/launch/test_launch_local_e2e.py",  # one whole_machine test
-    "tests/trainer/test_train_e2e.py",  # whole_machine
-    "tests/trainer/test_replica_death.py",  # one whole_machine test
     "tests/deltasync/vllm_ext/test_family_servers.py",  # a unit per family
     "tests/deltasync/vllm_ext/test_chaos.py",
     "tests/trainer/test_train_resume.py",
@@ -64,23 +80,30 @@ LONGEST_FIRST = (
 )
 
 
-def unit_of(nodeid: str) -> str:
-    """The unit of work a test belongs to: its module, its folder or itself."""
+def _group(nodeid: str) -> str:
+    """A test's module, or the folder unit it is in."""
     module = nodeid.split("::", 1)[0]
-    if module in SPLIT_MODULES:
-        return nodeid
     return next((f for f in FOLDER_UNITS if module.startswith(f)), module)
 
 
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to."""
+    group = _group(nodeid)
+    if group in WHOLE_MACHINE_UNITS:
+        return WHOLE_MACHINE
+    return nodeid if group in SPLIT_MODULES else group
+
+
 def queue_rank(nodeid: str, slow: bool) -> tuple[int, int]:
-    """Sort key of a test's place in the queue, the same for every test of its unit (the
-    split modules' tests share their module's): the listed long units, then other slow ones,
-    then the rest (a stable sort keeps the collection order within each)."""
-    module = nodeid.split("::", 1)[0]
-    unit = module if module in SPLIT_MODULES else unit_of(nodeid)
-    if unit in LONGEST_FIRST:
-        return (0, LONGEST_FIRST.index(unit))
-    return (1, 0) if slow else (2, 0)
+    """Sort key of a test's place in the queue, the same for every test of a module (a stable
+    sort keeps the collection order within each): the `whole_machine` unit, the listed long
+    units, then other slow ones, then the rest."""
+    group = _group(nodeid)
+    if group in WHOLE_MACHINE_UNITS:
+        return (0, WHOLE_MACHINE_UNITS.index(group))
+    if group in LONGEST_FIRST:
+        return (1, LONGEST_FIRST.index(group))
+    return (2, 0) if slow else (3, 0)
 
 
 def worker_cores(worker: int, workers: int, cores: list[int]) -> str:
@@ -94,24 +117,34 @@ def worker_cores(worker: int, workers: int, cores: list[int]) -> str:
 
 
 class MachineLock:
-    """A readers-writer lock across the worker processes, on two files in `folder`."""
+    """A readers-writer lock across the worker processes, on two files in `folder`; one
+    process holds it in one mode at a time."""
 
     def __init__(self, folder: Path):
         folder.mkdir(parents=True, exist_ok=True)
         self._turnstile = folder / "machine.turnstile"
         self._machine = folder / "machine.lock"
+        self._held: IO[str] | None = None
+        self.exclusive = False
 
-    @contextlib.contextmanager
-    def hold(self, *, exclusive: bool) -> Iterator[None]:
-        with self._machine.open("a") as machine:
-            with self._turnstile.open("a") as turnstile:
-                fcntl.flock(turnstile, fcntl.LOCK_EX)  # queued behind a waiting exclusive one
-                fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-                fcntl.flock(turnstile, fcntl.LOCK_UN)
-            try:
-                yield
-            finally:
-                fcntl.flock(machine, fcntl.LOCK_UN)
+    @property
+    def held(self) -> bool:
+        return self._held is not None
+
+    def acquire(self, *, exclusive: bool) -> None:
+        assert self._held is None, "already held"
+        machine = self._machine.open("a")
+        with self._turnstile.open("a") as turnstile:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)  # queued behind a waiting exclusive one
+            fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        self._held, self.exclusive = machine, exclusive
+
+    def release(self) -> None:
+        if self._held is not None:
+            fcntl.flock(self._held, fcntl.LOCK_UN)
+            self._held.close()
+            self._held = None
 
 
 def affinity() -> list[int]:

@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 from machine_share import (
-    FOLDER_UNITS,
     LONGEST_FIRST,
     SPLIT_MODULES,
+    WHOLE_MACHINE,
+    WHOLE_MACHINE_UNITS,
     MachineLock,
     queue_rank,
     unit_of,
@@ -29,13 +30,14 @@ def _hold(folder: str, exclusive: bool, hold_s: float, release) -> None:
     kind = "x" if exclusive else "s"
     fd = os.open(Path(folder) / "events", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
-        with lock.hold(exclusive=exclusive):
-            os.write(fd, f"in {kind}\n".encode())
-            if release is None:
-                time.sleep(hold_s)
-            else:
-                release.wait(WAIT_S)
-            os.write(fd, f"out {kind}\n".encode())
+        lock.acquire(exclusive=exclusive)
+        os.write(fd, f"in {kind}\n".encode())
+        if release is None:
+            time.sleep(hold_s)
+        else:
+            release.wait(WAIT_S)
+        os.write(fd, f"out {kind}\n".encode())
+        lock.release()
     finally:
         os.close(fd)
 
@@ -118,22 +120,23 @@ def test_each_worker_gets_its_own_cores():
     assert [worker_cores(w, 3, [0, 1]) for w in range(3)] == ["0", "1", "0"]  # round-robin
 
 
-def test_the_longest_units_are_queued_first():
-    first, folder = LONGEST_FIRST[0], FOLDER_UNITS[0]
-    assert LONGEST_FIRST.index(folder) > 0
+def test_the_whole_machine_unit_then_the_longest_units_are_queued_first():
     tests = [
         "tests/a_fast.py::test_a",
         "tests/b_slow.py::test_b",
-        f"{folder}test_x.py::test_c",
-        f"{first}::test_d",
+        f"{LONGEST_FIRST[0]}::test_c[1]",
+        f"{WHOLE_MACHINE_UNITS[1]}::test_d",
+        f"{WHOLE_MACHINE_UNITS[0]}::test_e",
     ]
     slow = {unit_of(t) for t in tests[1:]}
     ordered = sorted(tests, key=lambda t: queue_rank(t, unit_of(t) in slow))
-    assert ordered == [tests[3], tests[2], tests[1], tests[0]]
+    assert ordered == [tests[4], tests[3], tests[2], tests[1], tests[0]]
 
 
-def test_units_are_modules_but_for_split_modules_and_folder_units():
+def test_units_are_modules_but_for_split_modules_folder_units_and_the_whole_machine_one():
     assert unit_of("tests/a/test_x.py::test_y[1]") == "tests/a/test_x.py"
     split = f"{SPLIT_MODULES[0]}::test_family[llama]"
     assert unit_of(split) == split
-    assert unit_of(f"{FOLDER_UNITS[0]}test_x.py::test_y") == FOLDER_UNITS[0]
+    assert unit_of("tests/folder_unit/test_x.py::test_y") == "tests/folder_unit/test_x.py"
+    assert all(unit_of(f"{m}::test_y") == WHOLE_MACHINE for m in WHOLE_MACHINE_UNITS)
+    assert unit_of("tests/scale/test_fsdp_publish.py::test_z") == WHOLE_MACHINE  # its folder's
