@@ -13,10 +13,12 @@
   the modules in `SPLIT_MODULES`, whose tests are independent and long (a unit per test); the
   folders in `FOLDER_UNITS`, whose modules share session fixtures (a worker builds a session
   fixture for itself); and the modules in `WHOLE_MACHINE_UNITS`, which hold the `whole_machine`
-  tests and make one unit, queued first, so that one worker runs those tests one after another
-  while the other waits once, instead of each of them waiting for whatever long test the other
-  worker is in. Then the longest units (`LONGEST_FIRST`, then the other slow ones), so that
-  at the end the workers share the many short ones. The order never changes what a test checks.
+  tests and make one unit, queued last: one worker runs those tests one after another while the
+  other is through its queue or in a short test, instead of each of them waiting for whatever
+  long test the other worker is in (queued first, each one had waited for a 1-2 minute family
+  test, and that test had run alone). Before it the longest units (`LONGEST_FIRST`, then the
+  other slow ones), so that the workers then share the many short ones. The order never
+  changes what a test checks.
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ FOLDER_UNITS = ("tests/scale/",)
 # Every module (or folder unit) holding a `whole_machine` test, its longest first (conftest
 # refuses a marked test elsewhere).
 WHOLE_MACHINE_UNITS = (
-    "tests/trainer/test_env_learning.py",
     "tests/trainer/test_train_replica_restart.py",
     "tests/scale/",
     "tests/launch/test_launch_local_e2e.py",
@@ -66,6 +67,7 @@ WHOLE_MACHINE_UNITS = (
 )
 # The other long units (a clean-clone `.ci/run`'s `--durations=0` on 2 cores), longest first.
 LONGEST_FIRST = (
+    "tests/trainer/test_env_learning.py",
     "tests/deltasync/vllm_ext/test_family_servers.py",  # a unit per family
     "tests/deltasync/vllm_ext/test_chaos.py",
     "tests/trainer/test_train_resume.py",
@@ -96,14 +98,14 @@ def unit_of(nodeid: str) -> str:
 
 def queue_rank(nodeid: str, slow: bool) -> tuple[int, int]:
     """Sort key of a test's place in the queue, the same for every test of a module (a stable
-    sort keeps the collection order within each): the `whole_machine` unit, the listed long
-    units, then other slow ones, then the rest."""
+    sort keeps the collection order within each): the listed long units, then other slow ones,
+    then the rest, then the `whole_machine` unit."""
     group = _group(nodeid)
-    if group in WHOLE_MACHINE_UNITS:
-        return (0, WHOLE_MACHINE_UNITS.index(group))
     if group in LONGEST_FIRST:
-        return (1, LONGEST_FIRST.index(group))
-    return (2, 0) if slow else (3, 0)
+        return (0, LONGEST_FIRST.index(group))
+    if group in WHOLE_MACHINE_UNITS:
+        return (3, WHOLE_MACHINE_UNITS.index(group))
+    return (1, 0) if slow else (2, 0)
 
 
 def worker_cores(worker: int, workers: int, cores: list[int]) -> str:

@@ -120,17 +120,18 @@ def test_each_worker_gets_its_own_cores():
     assert [worker_cores(w, 3, [0, 1]) for w in range(3)] == ["0", "1", "0"]  # round-robin
 
 
-def test_the_whole_machine_unit_then_the_longest_units_are_queued_first():
+def test_the_longest_units_first_and_the_whole_machine_unit_last():
     tests = [
-        "tests/a_fast.py::test_a",
-        "tests/b_slow.py::test_b",
-        f"{LONGEST_FIRST[0]}::test_c[1]",
-        f"{WHOLE_MACHINE_UNITS[1]}::test_d",
-        f"{WHOLE_MACHINE_UNITS[0]}::test_e",
+        f"{WHOLE_MACHINE_UNITS[1]}::test_a",
+        f"{WHOLE_MACHINE_UNITS[0]}::test_b",
+        "tests/a_fast.py::test_c",
+        "tests/b_slow.py::test_d",
+        f"{LONGEST_FIRST[1]}::test_e[1]",
+        f"{LONGEST_FIRST[0]}::test_f",
     ]
-    slow = {unit_of(t) for t in tests[1:]}
+    slow = {unit_of(t) for t in tests if "fast" not in t}
     ordered = sorted(tests, key=lambda t: queue_rank(t, unit_of(t) in slow))
-    assert ordered == [tests[4], tests[3], tests[2], tests[1], tests[0]]
+    assert ordered == [tests[5], tests[4], tests[3], tests[2], tests[1], tests[0]]
 
 
 def test_units_are_modules_but_for_split_modules_folder_units_and_the_whole_machine_one():

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 from trainer_cli import TOKEN, metrics, run_trainer, train_command
 
-# alone on the machine: the share of valid calls is paced by the CPU
-pytestmark = [pytest.mark.slow, pytest.mark.whole_machine]
+# Beside another test (pytest-xdist): the share of valid calls is what the warm-up taught, about
+# flat over a run (46 / 48 / 56 %), not a pace the CPU sets.
+pytestmark = pytest.mark.slow
 # About seven groups a third (stale ones count too): the thirds' shares of valid calls, with
 # the format learnt in the warm-up (a 12-step MCP run: 46 / 48 / 56 %; the first third of a
 # 40-step one, 42 %, README), against the 30 % asserted. Each run also verifies the initial
