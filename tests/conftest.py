@@ -4,7 +4,7 @@ not importable helpers themselves.)
 
 Under pytest-xdist (README's test command: `-n 2`) the hooks below share the machine between the
 workers (`machine_share`): module-sized work units, the longest queued first, each worker's vLLM
-engines on its own cores, and `whole_machine` tests alone on the machine."""
+engines on its own cores, and `slow` and `whole_machine` tests alone on the machine."""
 
 from __future__ import annotations
 
@@ -81,7 +81,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def _alone(item: pytest.Item | None) -> bool:
-    return item is not None and item.get_closest_marker(WHOLE_MACHINE) is not None
+    """Whether `item` runs with nothing beside it: marked `whole_machine`, or `slow` (real
+    servers, trainers: two side by side saturate 2 cores, vLLM's engines spinning on theirs,
+    and each ran about 5x slower than alone)."""
+    return item is not None and any(item.get_closest_marker(m) for m in (WHOLE_MACHINE, "slow"))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -106,7 +109,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 @contextlib.contextmanager
 def _bind_for(alone: bool) -> Iterator[None]:
-    """A `whole_machine` test sees the user's own binding (none: launch.py splits the cores)."""
+    """A test alone sees the user's own binding (none: launch.py splits the cores, one engine
+    takes vLLM's `auto`), as in a run without xdist."""
     if not alone or _USER_BIND is not None:
         yield
         return

@@ -1,10 +1,12 @@
 """How tests share this machine when pytest-xdist runs them on several workers.
 
 - Every test holds a shared lock on the machine while it runs; a test marked `whole_machine`
-  (it asserts timings, a spread of work over engines or learning paced by the CPU) holds it
-  exclusively, so no other test runs beside it, and keeps holding it into the next test when
-  that one is `whole_machine` too. A turnstile lock keeps the exclusive one from waiting
-  forever behind a stream of shared ones (`flock` itself is not fair).
+  (it asserts timings, a spread of work over engines or learning paced by the CPU) or `slow`
+  (real servers and trainers: two of them side by side saturate 2 cores, vLLM's engines
+  spinning on theirs, and each ran about 5x slower than alone) holds it exclusively, so no
+  other test runs beside it, and keeps holding it into the next test when that one runs alone
+  too. What runs in parallel is the many short tests. A turnstile lock keeps an exclusive one
+  from waiting forever behind a stream of shared ones (`flock` itself is not fair).
 - Each worker's vLLM engines are bound to that worker's share of the cores
   (`VLLM_CPU_OMP_THREADS_BIND`): vLLM's own `auto` binds every engine to the same first cores, so
   two workers' engines would share one core while the other sat idle. A `whole_machine` test
