@@ -51,8 +51,8 @@ def pytest_configure() -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The `whole_machine` unit, then the longest units; the same order on every worker (xdist
-    checks it). A `whole_machine` test outside the listed units is refused: its worker would
+    """The longest units first, the `whole_machine` unit last; the same order on every worker
+    (xdist checks it). A `whole_machine` test outside the listed units is refused: its worker would
     wait for the other's test, and the other for it."""
     stray = [
         item.nodeid
@@ -90,8 +90,8 @@ def _alone(item: pytest.Item | None) -> bool:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """The lock is held from the item's setup (module and session fixtures included: servers
-    start there) to its teardown, and an exclusive hold into the next item if it is
-    `whole_machine` too."""
+    start there) to its teardown, and an exclusive hold into the next item if that one runs
+    alone too."""
     if _LOCK is None:
         return (yield)
     alone = _alone(item)
