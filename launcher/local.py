@@ -43,7 +43,7 @@ from .errors import LaunchError, ProcessFailed
 from .staging import REPO_ROOT
 from .supervisor import ProcessSpec, Supervisor
 
-__all__ = ["LocalPlan", "core_binds", "local_plan", "run_local", "summarize"]
+__all__ = ["LocalPlan", "check_ports", "core_binds", "local_plan", "run_local", "summarize"]
 
 # Wordle's prompt with its tool schema is ~1300 tokens for a built model's byte-level tokenizer,
 # an MCP server's four tools ~1500, and every turn adds its call and the reply: the built model's
@@ -213,7 +213,7 @@ def run_local(cfg: LocalConfig, echo: Callable[[str], None] = print) -> int:
         for spec in (*([plan.prepare] if plan.prepare else []), *plan.services, plan.trainer):
             echo(f"  $ {shown(spec.argv)}")
         return 0
-    _check_ports(cfg)
+    check_ports(cfg)
     plan.bucket.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with Supervisor(log_dir=plan.run_dir / "logs", cwd=REPO_ROOT, verbose=cfg.verbose) as sup:
@@ -298,7 +298,7 @@ def _check_context(model_dir: Path) -> None:
         )
 
 
-def _check_ports(cfg: LocalConfig) -> None:
+def check_ports(cfg: LocalConfig) -> None:
     ports = {"--dashboard-port": cfg.dashboard_port}
     if env_kind(cfg.env) == "wordle":
         ports["--env-port"] = cfg.env_port

@@ -48,8 +48,8 @@ BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 WHOLE_MACHINE = "whole_machine"  # the marker, and the name of the unit of its modules
 # Modules whose tests each start their own servers and share nothing costly: a unit per test.
 SPLIT_MODULES = ("tests/deltasync/vllm_ext/test_family_servers.py",)
-# Folders whose modules share session fixtures (torchrun runs): one unit each.
-FOLDER_UNITS = ("tests/scale/",)
+# Folders whose modules share session fixtures (torchrun runs, the Space images): one unit each.
+FOLDER_UNITS = ("tests/scale/", "tests/containers/")
 # Every module (or folder unit) holding a `whole_machine` test, its longest first (conftest
 # refuses a marked test elsewhere).
 WHOLE_MACHINE_UNITS = (
@@ -69,6 +69,7 @@ WHOLE_MACHINE_UNITS = (
 )
 # The other long units (a clean-clone `.ci/run`'s `--durations=0` on 2 cores), longest first.
 LONGEST_FIRST = (
+    "tests/containers/",
     "tests/trainer/test_env_learning.py",
     "tests/deltasync/vllm_ext/test_family_servers.py",  # a unit per family
     "tests/deltasync/vllm_ext/test_chaos.py",

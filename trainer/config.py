@@ -48,6 +48,11 @@ def prepare_model(model: str, model_dir: str, *, seed: int = 0) -> str:
         config["chat_template"] = qwen3_chat_template
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
         (directory / "chat_template.jinja").unlink(missing_ok=True)
+    # transformers writes the weights 0600 (earlier builds too); a replica in a container runs
+    # as uid 1000 and reads them: as readable as the config beside them
+    mode = (directory / "config.json").stat().st_mode & 0o777
+    for weights in directory.glob("*.safetensors"):
+        weights.chmod(mode)
     return str(directory)
 
 

@@ -19,6 +19,13 @@ from deltasync.store.retry import RetryPolicy
 __all__ = ["LocalStore"]
 
 
+def _file_mode() -> int:
+    """The mode `open()` gives a new file under this process's umask (mkstemp's is 0600)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 class LocalStore(Store):
     """Writes go to a temporary file that is fsynced and renamed, so readers never see a partial
     file and a crash leaves the previous version in place.
@@ -44,6 +51,9 @@ class LocalStore(Store):
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
         try:
+            # as readable as any file the user writes: a replica or dashboard running as another
+            # user (a container's uid 1000) reads the bucket folder too
+            os.fchmod(fd, _file_mode())
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()

@@ -1,4 +1,5 @@
-"""The running page in headless Chromium: its DOM holds the charts' marks, its PNG shows them.
+"""The running page in headless Chromium: its DOM holds the charts' marks, its PNG shows them;
+the same page from the dashboard Space's image, run as a container (podman).
 
 Needs Debian's `chromium` (apt-get install -y chromium). To refresh the README picture:
     DASHBOARD_SCREENSHOT=docs/dashboard.png python -m pytest -q tests/dashboard/test_screenshot.py
@@ -6,15 +7,20 @@ Needs Debian's `chromium` (apt-get install -y chromium). To refresh the README p
 
 from __future__ import annotations
 
+import contextlib
 import html
 import os
 import re
 import shutil
 import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from PIL import Image
+from server_process import free_port
 
 # Gradio 6.31's own per-event analytics table (queueing.py) trips pandas 3 deprecations.
 pytestmark = [
@@ -22,6 +28,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The copy keyword is deprecated"),
 ]
 BROWSER_TIMEOUT_S = 90
+CONTAINER_START_S = 120
 WINDOW = (1400, 1150)
 FLAGS = [
     "--headless",
@@ -70,8 +77,53 @@ def add_replica_timings_and_reward(trainer, versions: range) -> None:
 def test_page_shows_charts_with_data(trainer, launch, tmp_path):
     trainer.publish(12)
     add_replica_timings_and_reward(trainer, range(1, 13))
-    url = launch(trainer.store.root)
+    check_charts(launch(trainer.store.root), tmp_path)
 
+
+@pytest.mark.slow  # builds (or reuses) the dashboard Space's image and runs it in podman
+def test_the_dashboard_space_container_shows_the_same_charts(trainer, tmp_path):
+    """The image Spaces build from the dashboard's card, run as a Space runs it (uid 1000, the
+    bucket from DELTASYNC_BUCKET, port 7860), renders the same page."""
+    trainer.publish(12)
+    add_replica_timings_and_reward(trainer, range(1, 13))
+    with dashboard_container(Path(trainer.store.root), tmp_path) as url:
+        check_charts(url, tmp_path)
+
+
+@contextlib.contextmanager
+def dashboard_container(bucket: Path, tmp_path: Path) -> Iterator[str]:
+    from launcher.containers.bases import ensure_bases
+    from launcher.containers.engine import find_engine
+    from launcher.containers.images import build_space_image
+
+    engine = find_engine()
+    image = build_space_image(engine, "dashboard", tmp_path, ensure_bases(engine, print), print)
+    name, port = f"deltasync-test-dashboard-{os.getpid()}", free_port()
+    engine.run(
+        "run", "-d", "--rm", "--name", name, "-p", f"127.0.0.1:{port}:{image.app_port}",
+        "-v", f"{bucket}:{bucket}:ro", "--env", f"DELTASYNC_BUCKET={bucket}", image.tag,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + CONTAINER_START_S
+        while not _answers(url):
+            assert time.monotonic() < deadline, engine.run("logs", name, check=False).stdout[-2000:]
+            time.sleep(0.5)
+        yield url
+    finally:
+        engine.run("rm", "-f", "-t", "0", name, check=False)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def check_charts(url: str, tmp_path: Path) -> None:
+    """The five charts with their marks in the DOM, and a PNG that is not blank."""
     dom = run_browser(["--dump-dom", url], tmp_path / "profile-dom").stdout
     labels = [html.unescape(s) for s in re.findall(r'aria-label="([^"]*)"', dom)]
     assert dom.count('data-testid="altair"') == 5

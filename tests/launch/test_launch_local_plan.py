@@ -10,7 +10,7 @@ import pytest
 
 from launcher.config import LocalConfig
 from launcher.errors import LaunchError
-from launcher.local import _check_context, _check_ports, local_plan
+from launcher.local import _check_context, check_ports, local_plan
 
 
 def test_plan_wires_the_same_bucket_token_and_model_everywhere(tmp_path):
@@ -71,4 +71,4 @@ def test_busy_port_is_a_clear_error(tmp_path):
         with pytest.raises(
             LaunchError, match=f"port {port} on 127.0.0.1 is in use.*--dashboard-port"
         ):
-            _check_ports(LocalConfig(workdir=Path(tmp_path), dashboard_port=port))
+            check_ports(LocalConfig(workdir=Path(tmp_path), dashboard_port=port))

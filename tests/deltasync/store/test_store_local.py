@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,19 @@ def test_put_leaves_no_temp_file(tmp_path: Path) -> None:
     store.put("sub/b.bin", b"3")
     assert _temp_files(tmp_path) == []
     assert sorted(p.name for p in (tmp_path / "bucket").rglob("*")) == ["a.bin", "b.bin", "sub"]
+
+
+def test_objects_are_as_readable_as_files_the_user_writes(tmp_path: Path) -> None:
+    """A replica or dashboard running as another user (a container's uid 1000) reads them."""
+    old = os.umask(0o022)
+    try:
+        store = LocalStore(tmp_path)
+        store.put("runs/r/manifest.json", b"{}")
+        store.swap("manifest.json", b"{}", expected=None)
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "runs/r/manifest.json", tmp_path / "manifest.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, oct(path.stat().st_mode)
 
 
 def test_list_hides_temp_files(tmp_path: Path) -> None:

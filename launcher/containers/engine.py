@@ -1,0 +1,224 @@
+"""The container engine: podman where it runs (tested here), docker where a daemon answers.
+
+Podman runs with a configuration of ours (passed by `CONTAINERS_CONF` and
+`CONTAINERS_STORAGE_CONF`, nothing in /etc changes): runc (crun refuses hybrid cgroups),
+cgroupfs, default ulimits a machine without CAP_SYS_RESOURCE can grant, the netavark network
+stack (its aardvark DNS lets containers reach each other by name, as Spaces do by address), and an
+image store under the user's cache (`~/.cache/deltasync/containers`), outside any checkout, so a
+clean clone on the same machine finds the images built before. Docker keeps its daemon's own store
+and settings. See notes/containers.md for why each setting is there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import LaunchError
+
+__all__ = [
+    "INSTALL_COMMAND",
+    "Engine",
+    "EngineFailed",
+    "EngineMissing",
+    "find_engine",
+    "image_size_mb",
+    "prune_other_tags",
+    "remove_quietly",
+    "store_dir",
+]
+
+INSTALL_COMMAND = "bash scripts/install-containers.sh"
+_CONTAINERS_CONF = """\
+[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+log_driver = "k8s-file"
+
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+
+[network]
+network_backend = "netavark"
+"""
+_STORAGE_CONF = """\
+[storage]
+driver = "overlay"
+graphroot = "{graphroot}"
+runroot = "{runroot}"
+"""
+
+
+class EngineMissing(LaunchError):
+    """Neither podman nor a docker daemon can run containers here."""
+
+
+class EngineFailed(LaunchError):
+    """An engine command failed; the message carries its last lines."""
+
+
+def store_dir() -> Path:
+    """Where podman keeps images and our configuration: outside every checkout."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "deltasync" / "containers"
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine's executable and the environment its commands run with."""
+
+    name: str  # podman | docker
+    exe: str
+    env: tuple[tuple[str, str], ...] = ()
+
+    def command(self, *args: str) -> list[str]:
+        return [self.exe, *args]
+
+    def environ(self) -> dict[str, str]:
+        return {**os.environ, **dict(self.env)}
+
+    def run(
+        self,
+        *args: str,
+        timeout_s: float = 120,
+        stdin: str | None = None,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run `engine args...`; raises `EngineFailed` with its output when it fails."""
+        try:
+            proc = subprocess.run(
+                self.command(*args),
+                input=stdin,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                env=self.environ(),
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise EngineFailed(
+                f"{self.name} {args[0]} did not finish in {timeout_s:.0f} s"
+            ) from None
+        if check and proc.returncode != 0:
+            raise EngineFailed(
+                f"{self.name} {' '.join(args[:2])} failed (status {proc.returncode}):\n"
+                + _last_lines(proc.stderr or proc.stdout)
+            )
+        return proc
+
+    def exists(self, kind: str, name: str) -> bool:
+        """Whether an image, container, network or secret (`kind`) of that name exists."""
+        probe = {
+            "image": ("image", "exists"),
+            "container": ("container", "exists"),
+            "network": ("network", "exists"),
+        }
+        if self.name == "podman" and kind in probe:
+            return self.run(*probe[kind], name, check=False).returncode == 0
+        return self.run(kind, "inspect", name, check=False).returncode == 0
+
+    @property
+    def env_secrets(self) -> bool:
+        """Podman gives a secret to a container as an environment variable (`type=env`) that
+        `inspect` does not show; docker has no such secrets outside swarm."""
+        return self.name == "podman"
+
+    def untag(self, image: str, name: str) -> None:
+        """Drop the name `name` of `image`, never the image itself (it keeps `image`)."""
+        args = ("untag", image, name) if self.name == "podman" else ("image", "rm", name)
+        self.run(*args, check=False)
+
+    def build_flags(self) -> list[str]:
+        """`--format docker` keeps HEALTHCHECK (podman's default OCI format drops it)."""
+        return ["--format", "docker"] if self.name == "podman" else []
+
+
+def _last_lines(text: str, n: int = 15) -> str:
+    lines = [x for x in (text or "").splitlines() if "systemd" not in x][-n:]
+    return "\n".join(f"    {x}" for x in lines)
+
+
+def _podman(exe: str) -> Engine:
+    store = store_dir()
+    store.mkdir(parents=True, exist_ok=True)
+    conf, storage = store / "containers.conf", store / "storage.conf"
+    runroot = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/deltasync-containers-{os.getuid()}")
+    _write_if_changed(conf, _CONTAINERS_CONF)
+    _write_if_changed(
+        storage, _STORAGE_CONF.format(graphroot=store / "storage", runroot=runroot / "podman")
+    )
+    return Engine(
+        "podman",
+        exe,
+        (("CONTAINERS_CONF", str(conf)), ("CONTAINERS_STORAGE_CONF", str(storage))),
+    )
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+
+
+def find_engine(which=shutil.which) -> Engine:
+    """Podman if it and runc are installed, else docker if its daemon answers; else
+    `EngineMissing` naming what is missing and the command that installs it."""
+    missing = []
+    if podman := which("podman"):
+        tools = {"runc": which("runc"), "netavark": _netavark(which)}
+        missing = [name for name, found in tools.items() if not found]
+        if not missing:
+            return _podman(podman)
+    if docker := which("docker"):
+        answered = subprocess.run(
+            [docker, "info", "--format", "{{.ServerVersion}}"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+        if answered.returncode == 0:
+            return Engine("docker", docker)
+    verb = "is" if len(missing) == 1 else "are"
+    what = (
+        f"podman is installed but {' and '.join(missing)} {verb} not"
+        if podman
+        else "no container engine: podman is not installed and no docker daemon answers"
+    )
+    raise EngineMissing(f"--containers: {what}; install it with: {INSTALL_COMMAND}")
+
+
+def _netavark(which) -> str | None:
+    for folder in ("/usr/lib/podman", "/usr/libexec/podman", "/usr/local/lib/podman"):
+        if Path(folder, "netavark").is_file():
+            return str(Path(folder, "netavark"))
+    return which("netavark")
+
+
+def image_size_mb(engine: Engine, image: str) -> float:
+    out = engine.run("image", "inspect", "--format", "{{.Size}}", image).stdout.strip()
+    return int(out or 0) / 1e6
+
+
+def prune_other_tags(engine: Engine, tag: str) -> None:
+    """Remove the images of `tag`'s repository under other tags: a recipe or context that
+    changed leaves its old image behind, which would otherwise pile up (GBs for vLLM). An image
+    a container still uses stays (the engine refuses), as do the layers the new one shares."""
+    repo = tag.rsplit(":", 1)[0]
+    listed = engine.run("images", "--format", "{{.Repository}}:{{.Tag}}", check=False).stdout
+    old = [name for name in listed.split() if name.rsplit(":", 1)[0] == repo and name != tag]
+    if old:
+        engine.run("rmi", *old, check=False, timeout_s=300)
+
+
+def remove_quietly(engine: Engine, kind: str, names: Sequence[str]) -> None:
+    """Remove containers (forced, no grace), networks or secrets; missing ones are fine."""
+    if not names:
+        return
+    args = {"container": ("rm", "-f", "-t", "0"), "network": ("network", "rm", "-f")}
+    cmd = args.get(kind, (kind, "rm"))
+    engine.run(*cmd, *names, check=False, timeout_s=60)

