@@ -10,6 +10,7 @@ unchanged context is reused instead of built again.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import subprocess
 import time
@@ -41,6 +42,7 @@ class SpaceImage:
     size_mb: float
     built_s: float | None  # None: reused
     healthcheck: bool  # the image has a HEALTHCHECK (`podman healthcheck run` can run it)
+    command: tuple[str, ...] = ()  # its ENTRYPOINT then CMD: what the container runs
 
 
 def space_card(context: Path) -> dict:
@@ -110,9 +112,7 @@ def build_space_image(
     tag = f"localhost/deltasync/{kind}:{_digest(context, dockerfile.read_text(), base.tag)}"
     port = int(card.get("app_port") or 7860)
     if engine.exists("image", tag):
-        image = SpaceImage(
-            kind, tag, port, image_size_mb(engine, tag), None, _healthcheck(engine, tag)
-        )
+        image = _inspected(engine, kind, tag, port, None)
         log(f"image {kind}: reused {tag} ({image.size_mb:.0f} MB)")
         return image
     started = time.monotonic()
@@ -130,10 +130,7 @@ def build_space_image(
         )
     if proc.returncode != 0:
         raise BuildFailed(_failure(kind, build_log.read_text(errors="replace"), build_log))
-    image = SpaceImage(
-        kind, tag, port, image_size_mb(engine, tag), time.monotonic() - started,
-        _healthcheck(engine, tag),
-    )  # fmt: skip
+    image = _inspected(engine, kind, tag, port, time.monotonic() - started)
     prune_other_tags(engine, tag)
     log(f"image {kind}: built in {image.built_s:.0f} s, {image.size_mb:.0f} MB ({tag})")
     return image
@@ -167,8 +164,17 @@ def _failure(kind: str, text: str, log: Path) -> str:
     return f"the {kind} image did not build: {where} failed: {error.strip()} (log: {log})"
 
 
-def _healthcheck(engine: Engine, tag: str) -> bool:
-    fmt = "{{if .Config.Healthcheck}}yes{{end}}"
-    if engine.name == "podman":
-        fmt = "{{if .HealthCheck}}yes{{end}}"
-    return engine.run("image", "inspect", "--format", fmt, tag).stdout.strip() == "yes"
+def _inspected(engine: Engine, kind: str, tag: str, port: int, built_s: float | None) -> SpaceImage:
+    """The image's size, whether it has a HEALTHCHECK, and the command it runs."""
+    health = (
+        "{{if .HealthCheck}}yes{{end}}"
+        if engine.name == "podman"
+        else ("{{if .Config.Healthcheck}}yes{{end}}")
+    )
+    fmt = f"{health}|{{{{json .Config.Entrypoint}}}}|{{{{json .Config.Cmd}}}}"
+    has_check, entrypoint, cmd = engine.run("image", "inspect", "--format", fmt, tag).stdout.split(
+        "|", 2
+    )
+    command = (*(json.loads(entrypoint) or ()), *(json.loads(cmd) or ()))
+    size = image_size_mb(engine, tag)
+    return SpaceImage(kind, tag, port, size, built_s, has_check.strip() == "yes", command)

@@ -13,14 +13,18 @@ need per-container ports and would put the images' `0.0.0.0` listeners on every 
 host; here only the ports the host needs are published, on 127.0.0.1.
 
 Variables reach a container in an `--env-file` (0600, removed when the run ends) and secrets
-(DELTASYNC_API_KEY, the Wordle Space's ENV_API_KEY) as podman secrets of type env, so no value is
-on a command line or in `podman inspect`. The replicas follow the bucket, as the Space's
+(DELTASYNC_API_KEY, the Wordle Space's ENV_API_KEY) as podman secrets, so no value is on a
+command line or in `podman inspect`: podman 4.3 shows a secret of type env there like any
+variable, so each is mounted as a file (uid 1000, 0400) and a one-line shell exports it before it
+runs the image's own ENTRYPOINT and CMD, unchanged. The process the Space runs sees the same
+variables as on Spaces. The replicas follow the bucket, as the Space's
 entrypoint does by default; the trainer also pushes each version to them and verifies it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import time
@@ -45,6 +49,8 @@ _BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 # vLLM's docs run its image with --ipc=host or a larger --shm-size; its CPU engine asks for
 # 160 MiB of /dev/shm with the local model. Spaces give a container more than podman's 64 MB.
 _VLLM_SHM = "1g"
+_SECRETS_DIR = "/run/secrets/deltasync"
+_EXPORT_SECRETS = f'for f in {_SECRETS_DIR}/*; do export "${{f##*/}}=$(cat "$f")"; done; exec "$@"'
 
 
 @dataclass(frozen=True)
@@ -142,8 +148,7 @@ class _Resources:
             argv += ["-v", f"{path}:{path}{':ro' if read_only else ''}"]
         if spec.variables:
             argv += ["--env-file", str(self._env_file(spec.role, spec.variables))]
-        argv += self._secrets(spec)
-        return self.engine.command(*argv, image.tag)
+        return self.engine.command(*argv, *self._secrets(spec, image))
 
     def _env_file(self, role: str, values: Mapping[str, str]) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -154,19 +159,25 @@ class _Resources:
         self.env_files.append(path)
         return path
 
-    def _secrets(self, spec: ContainerSpec) -> list[str]:
+    def _secrets(self, spec: ContainerSpec, image: SpaceImage) -> list[str]:
+        """Podman secrets mounted as files and exported by a one-line shell that then runs
+        the image's own ENTRYPOINT and CMD unchanged (podman 4.3 shows the value of a secret
+        of type env, like any variable, in `podman inspect`)."""
         if not spec.secrets:
-            return []
+            return [image.tag]
         if not self.engine.env_secrets:  # docker outside swarm: an env file (0600)
-            return ["--env-file", str(self._env_file(f"{spec.role}-secrets", spec.secrets))]
+            env_file = self._env_file(f"{spec.role}-secrets", spec.secrets)
+            return ["--env-file", str(env_file), image.tag]
         args = []
         for key, value in spec.secrets.items():
             name = f"{self.prefix}-{spec.role}-{key.lower()}"
             remove_quietly(self.engine, "secret", [name])
             self.engine.run("secret", "create", name, "-", stdin=value)
             self.secrets.append(name)
-            args += ["--secret", f"{name},type=env,target={key}"]
-        return args
+            target = f"{_SECRETS_DIR}/{key}"
+            args += ["--secret", f"{name},type=mount,target={target},uid=1000,mode=0400"]
+        entrypoint = json.dumps(["/bin/sh", "-c", _EXPORT_SECRETS, "deltasync-secrets"])
+        return [*args, "--entrypoint", entrypoint, image.tag, *image.command]
 
     def remove(self) -> list[str]:
         """Remove everything; returns what is still there afterwards (should be nothing)."""

@@ -144,3 +144,23 @@ def test_a_broken_context_fails_at_its_dockerfile_step(built, tmp_path):
     ), message
     assert "missing.txt" in message.split("failed: ", 1)[1]
     assert str(tmp_path / "build-wordle.log") in message
+
+
+def test_a_failed_start_leaves_no_container_network_or_secret(built, tmp_path):
+    """vLLM refuses an unknown flag at start-up: the launcher says which part failed and removes
+    everything it made (as on Ctrl-C, the same `finally`)."""
+    run = f"ctr-{secrets.token_hex(3)}"
+    argv = [sys.executable, str(REPO / "launch.py"), "--local", "--containers", "--env", "sanity"]
+    argv += ["--workdir", str(tmp_path / "work"), "--run-name", run]
+    argv += ["--model-dir", str(tmp_path / "model"), "--vllm-args", "--no-such-flag"]
+    argv += ["--vllm-port", str(free_port()), "--dashboard-port", str(free_port())]
+    proc = subprocess.run(
+        argv, cwd=REPO, capture_output=True, text=True, timeout=DEADLINE_S, check=False
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "error: vllm-0 exited with status" in proc.stderr, proc.stderr[-3000:]
+    assert leftovers(built.engine, f"deltasync-{run}") == {
+        "containers": [],
+        "networks": [],
+        "secrets": [],
+    }

@@ -101,12 +101,16 @@ def test_each_space_gets_its_settings_and_no_secret_reaches_a_command_line(tmp_p
     resources = _Resources(Recording("podman", "podman"), "r", tmp_path / "settings")
     from launcher.containers.images import SpaceImage
 
-    image = SpaceImage("vllm", "localhost/deltasync/vllm:x", 7860, 1.0, None, True)
+    command = ("/usr/local/bin/deltasync-entrypoint",)
+    image = SpaceImage("vllm", "localhost/deltasync/vllm:x", 7860, 1.0, None, True, command)
     argv = resources.container_argv(replica, image)
     assert key not in " ".join(argv)
-    assert "127.0.0.1:8011:7860" in argv and argv[-1] == image.tag
+    assert "127.0.0.1:8011:7860" in argv
+    # the image's own command runs after the secrets are exported
+    assert argv[-2:] == [image.tag, *command]
     secret = "deltasync-r-vllm-1-deltasync_api_key"
-    assert f"{secret},type=env,target=DELTASYNC_API_KEY" in argv
+    target = "/run/secrets/deltasync/DELTASYNC_API_KEY"
+    assert f"{secret},type=mount,target={target},uid=1000,mode=0400" in argv
     assert (("secret", "create", secret, "-"), key) in calls  # the value goes on stdin
     env_file = Path(argv[argv.index("--env-file") + 1])
     assert oct(env_file.stat().st_mode & 0o777) == "0o600"
