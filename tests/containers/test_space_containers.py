@@ -152,7 +152,7 @@ def test_a_failed_start_leaves_no_container_network_or_secret(built, tmp_path):
     run = f"ctr-{secrets.token_hex(3)}"
     argv = [sys.executable, str(REPO / "launch.py"), "--local", "--containers", "--env", "sanity"]
     argv += ["--workdir", str(tmp_path / "work"), "--run-name", run]
-    argv += ["--model-dir", str(tmp_path / "model"), "--vllm-args", "--no-such-flag"]
+    argv += ["--model-dir", str(tmp_path / "model"), "--vllm-args=--no-such-flag"]
     argv += ["--vllm-port", str(free_port()), "--dashboard-port", str(free_port())]
     proc = subprocess.run(
         argv, cwd=REPO, capture_output=True, text=True, timeout=DEADLINE_S, check=False
