@@ -135,7 +135,7 @@ def vllm_base(engine: Engine, python: Base, log: Callable[[str], None]) -> Base:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="deltasync-base-") as tmp:
         (Path(tmp) / "Dockerfile").write_text(recipe)
-        args = ["build", *engine.build_flags(), "--pull=never", "-t", tag]
+        args = ["build", *engine.build_flags(), "-t", tag]
         args += _pip_settings()
         engine_log = Path(tmp) / "build.log"
         _run_logged([*engine.command(*args), tmp], engine_log, "the vLLM stand-in build", engine)

@@ -134,8 +134,11 @@ class Engine:
         self.run(*args, check=False)
 
     def build_flags(self) -> list[str]:
-        """`--format docker` keeps HEALTHCHECK (podman's default OCI format drops it)."""
-        return ["--format", "docker"] if self.name == "podman" else []
+        """Never pull a base (the stand-ins are local); podman's `--format docker` keeps
+        HEALTHCHECK, which its default OCI format drops. Docker's flags are unchecked here."""
+        if self.name == "podman":
+            return ["--format", "docker", "--pull=never"]
+        return ["--pull=false"]
 
 
 def _last_lines(text: str, n: int = 15) -> str:

@@ -116,7 +116,7 @@ def build_space_image(
         log(f"image {kind}: reused {tag} ({image.size_mb:.0f} MB)")
         return image
     started = time.monotonic()
-    args = ["build", *engine.build_flags(), "--pull=never", "-t", tag]
+    args = ["build", *engine.build_flags(), "-t", tag]
     args += ["-f", str(dockerfile)] if generated else []
     build_log = build_dir / f"build-{kind}.log"
     with as_from(engine, base), build_log.open("w") as out:
