@@ -71,7 +71,8 @@ def test_containers_need_local():
     assert proc.returncode == 2 and "--containers runs the Spaces here" in proc.stderr
 
 
-def test_each_space_gets_its_settings_and_no_secret_reaches_a_command_line(tmp_path):
+def test_each_space_gets_its_settings_and_no_secret_reaches_a_command_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # set per xdist worker
     key = "k3y-that-must-stay-secret"
     cfg = LocalConfig(
         workdir=tmp_path, env="wordle", replicas=2, api_key=key, run_name="r", containers=True
