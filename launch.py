@@ -158,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sleep-time must be a number of seconds, or -1 for never")
     try:
         if args.local:
-            from launcher.containers.run import run_containers
             from launcher.local import run_local
 
             cfg = LocalConfig(
@@ -182,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                 containers=args.containers,
                 verbose=args.verbose,
             )
-            return run_containers(cfg) if cfg.containers else run_local(cfg)
+            if cfg.containers:
+                from launcher.containers.run import run_containers
+
+                return run_containers(cfg)
+            return run_local(cfg)
         return _spaces(args, parser, env, stamp, api_key, trainer_args)
     except LaunchError as exc:
         if args.debug:

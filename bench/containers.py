@@ -4,7 +4,9 @@
 
 1. From nothing: the stand-in bases and the three Space images built into an empty image store
    (a temporary one, removed afterwards; `--no-cold` skips this part).
-2. Cached: the same builds in the user's store, where they were built before (reused).
+2. New commit: the same builds in the user's store, where the bases were built before (reused)
+   and the Space images are built again where their context changed (`BUILD_INFO.json` names
+   the commit).
 3. One quick start each way, back to back, with the `sanity` task so the two differ only in how
    the parts run: `launch.py --local --containers` (the replica follows the bucket, as the Space's
    entrypoint does) and `launch.py --local` with DELTASYNC_FOLLOW=1 (the same following, as
@@ -43,25 +45,27 @@ _VERIFIED = re.compile(r"(\d+) versions published, verified by the replicas \(vl
 
 
 def builds(cache_home: str | None) -> dict:
-    """Build (or reuse) the bases and images in the store under `cache_home` (None: the user's)."""
-    saved = os.environ.get("XDG_CACHE_HOME")
+    """Build (or reuse) the bases and images in the store under `cache_home` (None: the user's;
+    a given one has its own run folder too and is reset afterwards, whatever happened)."""
+    names = ("XDG_CACHE_HOME", "XDG_RUNTIME_DIR")
+    saved = {name: os.environ.get(name) for name in names}
     if cache_home:
-        os.environ["XDG_CACHE_HOME"] = cache_home
+        os.environ.update(XDG_CACHE_HOME=cache_home, XDG_RUNTIME_DIR=f"{cache_home}/run")
+    engine = find_engine()
     try:
-        engine = find_engine()
         started = time.monotonic()
         bases = ensure_bases(engine, print)
         with tempfile.TemporaryDirectory(prefix="bench-images-") as tmp:
             images = [build_space_image(engine, k, Path(tmp), bases, print) for k in KINDS]
         total = time.monotonic() - started
-        if cache_home:
-            engine.run("system", "reset", "-f", timeout_s=900)
     finally:
         if cache_home:
-            if saved is None:
-                os.environ.pop("XDG_CACHE_HOME", None)
-            else:
-                os.environ["XDG_CACHE_HOME"] = saved
+            engine.run("system", "reset", "-f", timeout_s=900, check=False)
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     return {
         "total_s": round(total, 1),
         "bases": {b.stands_for: _built(b.built_s) for b in bases.values()},
@@ -101,7 +105,7 @@ def quick_start(steps: int, containers: bool, work: Path) -> dict:
 
 
 def table(results: dict) -> str:
-    rows = ["| what | from nothing | cached |", "|---|---:|---:|"]
+    rows = ["| what | from nothing | user's store |", "|---|---:|---:|"]
     cold, cached = results.get("cold"), results["cached"]
 
     def took(part: dict | None) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -52,7 +53,9 @@ def prepare_model(model: str, model_dir: str, *, seed: int = 0) -> str:
     # as uid 1000 and reads them: as readable as the config beside them
     mode = (directory / "config.json").stat().st_mode & 0o777
     for weights in directory.glob("*.safetensors"):
-        weights.chmod(mode)
+        if weights.stat().st_mode & 0o777 != mode:
+            with contextlib.suppress(PermissionError):  # another user's folder: left as it is
+                weights.chmod(mode)
     return str(directory)
 
 

@@ -16,14 +16,22 @@ from deltasync.errors import StoreError
 from deltasync.store.base import RefusedObject, Store
 from deltasync.store.retry import RetryPolicy
 
-__all__ = ["LocalStore"]
+__all__ = ["LocalStore", "current_umask"]
 
 
-def _file_mode() -> int:
-    """The mode `open()` gives a new file under this process's umask (mkstemp's is 0600)."""
+def current_umask() -> int:
+    """This process's umask, read without changing it (Linux); elsewhere set and set back,
+    which other threads could see for an instant."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
-    return 0o666 & ~mask
+    return mask
 
 
 class LocalStore(Store):
@@ -53,7 +61,7 @@ class LocalStore(Store):
         try:
             # as readable as any file the user writes: a replica or dashboard running as another
             # user (a container's uid 1000) reads the bucket folder too
-            os.fchmod(fd, _file_mode())
+            os.fchmod(fd, 0o666 & ~current_umask())
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()

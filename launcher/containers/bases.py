@@ -17,6 +17,7 @@ the length of a build (`as_from`), so the image store never claims to hold the r
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shlex
@@ -29,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..staging import REPO_ROOT
-from .engine import Engine, EngineFailed, image_size_mb, prune_other_tags
+from .engine import Engine, EngineFailed, image_size_mb, store_dir
 
 __all__ = [
+    "BUILD_TIMEOUT_S",
     "PYTHON_FROM",
     "VLLM_FROM",
     "Base",
@@ -39,6 +41,7 @@ __all__ = [
     "ensure_bases",
     "python_base",
     "vllm_base",
+    "vllm_recipe",
 ]
 
 PYTHON_FROM = "docker.io/library/python:3.11-slim"
@@ -136,20 +139,20 @@ def vllm_base(engine: Engine, python: Base, log: Callable[[str], None]) -> Base:
     with tempfile.TemporaryDirectory(prefix="deltasync-base-") as tmp:
         (Path(tmp) / "Dockerfile").write_text(recipe)
         args = ["build", *engine.build_flags(), "-t", tag]
-        args += _pip_settings()
+        args += _pip_settings(engine)
         engine_log = Path(tmp) / "build.log"
         _run_logged([*engine.command(*args), tmp], engine_log, "the vLLM stand-in build", engine)
     return Base(tag, VLLM_FROM, time.monotonic() - started)
 
 
-def _pip_settings() -> list[str]:
-    """This machine's pip index settings as build arguments, and a local find-links folder
-    (where a CPU torch wheel may lie) mounted read-only for the build."""
+def _pip_settings(engine: Engine) -> list[str]:
+    """This machine's pip index settings as build arguments, and (podman: `docker build` has no
+    volumes) a local find-links folder, where a CPU torch wheel may lie, mounted read-only."""
     args = []
     for name in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
         if value := os.environ.get(name):
             args += ["--build-arg", f"{name}={value}"]
-            for folder in value.split():
+            for folder in value.split() if engine.name == "podman" else ():
                 if os.path.isdir(folder):
                     args += ["--volume", f"{folder}:{folder}:ro"]
     return args
@@ -157,14 +160,17 @@ def _pip_settings() -> list[str]:
 
 def _run_logged(argv: list[str], log: Path, what: str, engine: Engine | None = None) -> None:
     with log.open("w") as out:
-        proc = subprocess.run(
-            argv,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=engine.environ() if engine else None,
-            timeout=BUILD_TIMEOUT_S,
-            check=False,
-        )
+        try:
+            proc = subprocess.run(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=engine.environ() if engine else None,
+                timeout=BUILD_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise EngineFailed(f"{what} took over {BUILD_TIMEOUT_S:.0f} s (log: {log})") from None
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").splitlines()[-20:]
         raise EngineFailed(f"{what} failed (status {proc.returncode}):\n" + "\n".join(tail))
@@ -172,12 +178,24 @@ def _run_logged(argv: list[str], log: Path, what: str, engine: Engine | None = N
 
 @contextlib.contextmanager
 def as_from(engine: Engine, base: Base) -> Iterator[None]:
-    """Tag `base` with the name a Dockerfile's FROM expects for the length of one build."""
-    engine.run("tag", base.tag, base.stands_for)
-    try:
-        yield
-    finally:
-        engine.run("untag", base.tag, base.stands_for, check=False)
+    """Tag `base` with the name a Dockerfile's FROM expects for the length of one build.
+
+    Builds on one store take turns (a lock file beside it): one build's untag must not pull the
+    name from under another's FROM. Docker's store is the daemon's, shared with the user's own
+    images: a real image under that name is never replaced."""
+    store_dir().mkdir(parents=True, exist_ok=True)
+    with (store_dir() / "build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if engine.name != "podman" and engine.exists("image", base.stands_for):
+            raise EngineFailed(
+                f"{engine.name} already has an image {base.stands_for}; the stand-in would "
+                "replace it for the build: remove or retag it, or use podman"
+            )
+        engine.run("tag", base.tag, base.stands_for)
+        try:
+            yield
+        finally:
+            engine.untag(base.tag, base.stands_for)
 
 
 def ensure_bases(engine: Engine, log: Callable[[str], None]) -> dict[str, Base]:
@@ -185,8 +203,6 @@ def ensure_bases(engine: Engine, log: Callable[[str], None]) -> dict[str, Base]:
     python = python_base(engine, log)
     bases = {PYTHON_FROM: python, VLLM_FROM: vllm_base(engine, python, log)}
     for base in bases.values():
-        if base.built_s is not None:
-            prune_other_tags(engine, base.tag)
         size = f"{image_size_mb(engine, base.tag):.0f} MB"
         done = "reused" if base.built_s is None else f"built in {base.built_s:.0f} s"
         log(f"base image {base.stands_for} (stand-in {base.tag}): {done}, {size}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import LaunchError
-from .engine import Engine
+from .engine import Engine, EngineFailed, remove_quietly
 
 if TYPE_CHECKING:
     from .images import SpaceImage
@@ -62,15 +62,29 @@ def check_conventions(engine: Engine, name: str, spec: ContainerSpec, image: Spa
     )
 
 
-def check_required_variable(engine: Engine, image: SpaceImage, missing: str = "BUCKET") -> str:
-    """Start the vLLM image with `missing` left out: its entrypoint must exit non-zero with one
-    line naming that variable (a Space shows that line in its runtime error)."""
+def check_required_variable(
+    engine: Engine, image: SpaceImage, name: str, missing: str = "BUCKET"
+) -> str:
+    """Start the vLLM image (as container `name`) with `missing` left out: its entrypoint must
+    exit non-zero with one line naming that variable (a Space shows that line as its runtime
+    error). The container is removed whatever happens: were the entrypoint to start vLLM
+    instead, it would otherwise keep running."""
     variables = {"MODEL": "Qwen/Qwen3-0.6B", "BUCKET": "hf://buckets/a/b"}
     variables.pop(missing, None)
     env = [x for k, v in variables.items() for x in ("--env", f"{k}={v}")]
-    proc = engine.run("run", "--rm", *env, image.tag, check=False, timeout_s=120)
+    try:
+        proc = engine.run(
+            "run", "--rm", "--name", name, *env, image.tag, check=False, timeout_s=120
+        )
+    except EngineFailed:
+        raise ConventionBroken(
+            f"the vllm image started without {missing} and was still running after 120 s; its "
+            "entrypoint must refuse to start without it"
+        ) from None
+    finally:
+        remove_quietly(engine, "container", [name])
     lines = [x for x in (proc.stderr + proc.stdout).splitlines() if x.strip()]
-    lines = [x for x in lines if "systemd" not in x]
+    lines = [x for x in lines if "unable to get systemd connection" not in x]
     if proc.returncode == 0 or len(lines) != 1 or missing not in lines[0]:
         raise ConventionBroken(
             f"the vllm image started without {missing}: expected a one-line error and a "

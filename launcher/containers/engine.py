@@ -6,7 +6,7 @@ cgroupfs, default ulimits a machine without CAP_SYS_RESOURCE can grant, the neta
 stack (its aardvark DNS lets containers reach each other by name, as Spaces do by address), and an
 image store under the user's cache (`~/.cache/deltasync/containers`), outside any checkout, so a
 clean clone on the same machine finds the images built before. Docker keeps its daemon's own store
-and settings. See notes/containers.md for why each setting is there.
+and settings.
 """
 
 from __future__ import annotations
@@ -123,9 +123,9 @@ class Engine:
         return self.run(kind, "inspect", name, check=False).returncode == 0
 
     @property
-    def env_secrets(self) -> bool:
-        """Podman gives a secret to a container as an environment variable (`type=env`) that
-        `inspect` does not show; docker has no such secrets outside swarm."""
+    def has_secrets(self) -> bool:
+        """Podman keeps secrets (`podman secret`) and mounts them into a container as files;
+        docker has them only in swarm mode."""
         return self.name == "podman"
 
     def untag(self, image: str, name: str) -> None:
@@ -141,8 +141,11 @@ class Engine:
         return ["--pull=false"]
 
 
+_NOISE = "unable to get systemd connection"  # podman without systemd, on every command
+
+
 def _last_lines(text: str, n: int = 15) -> str:
-    lines = [x for x in (text or "").splitlines() if "systemd" not in x][-n:]
+    lines = [x for x in (text or "").splitlines() if _NOISE not in x][-n:]
     return "\n".join(f"    {x}" for x in lines)
 
 
@@ -150,7 +153,9 @@ def _podman(exe: str) -> Engine:
     store = store_dir()
     store.mkdir(parents=True, exist_ok=True)
     conf, storage = store / "containers.conf", store / "storage.conf"
-    runroot = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/deltasync-containers-{os.getuid()}")
+    runroot = _private_dir(
+        Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/deltasync-containers-{os.getuid()}")
+    )
     _write_if_changed(conf, _CONTAINERS_CONF)
     _write_if_changed(
         storage, _STORAGE_CONF.format(graphroot=store / "storage", runroot=runroot / "podman")
@@ -162,13 +167,22 @@ def _podman(exe: str) -> Engine:
     )
 
 
+def _private_dir(path: Path) -> Path:
+    """A folder of this user's only (under /tmp another user could have made it first)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.is_symlink() or path.stat().st_uid != os.getuid():
+        raise EngineFailed(f"{path} is not this user's folder: remove it, or set XDG_RUNTIME_DIR")
+    path.chmod(0o700)
+    return path
+
+
 def _write_if_changed(path: Path, text: str) -> None:
     if not path.is_file() or path.read_text() != text:
         path.write_text(text)
 
 
 def find_engine(which=shutil.which) -> Engine:
-    """Podman if it and runc are installed, else docker if its daemon answers; else
+    """Podman if it, runc and netavark are installed, else docker if its daemon answers; else
     `EngineMissing` naming what is missing and the command that installs it."""
     missing = []
     if podman := which("podman"):
@@ -177,14 +191,17 @@ def find_engine(which=shutil.which) -> Engine:
         if not missing:
             return _podman(podman)
     if docker := which("docker"):
-        answered = subprocess.run(
-            [docker, "info", "--format", "{{.ServerVersion}}"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=False,
-        )
-        if answered.returncode == 0:
+        try:
+            answered = subprocess.run(
+                [docker, "info", "--format", "{{.ServerVersion}}"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=False,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            answered = None  # a daemon that does not answer in 20 s is not one to use
+        if answered == 0:
             return Engine("docker", docker)
     verb = "is" if len(missing) == 1 else "are"
     what = (
@@ -207,21 +224,24 @@ def image_size_mb(engine: Engine, image: str) -> float:
     return int(out or 0) / 1e6
 
 
-def prune_other_tags(engine: Engine, tag: str) -> None:
-    """Remove the images of `tag`'s repository under other tags: a recipe or context that
-    changed leaves its old image behind, which would otherwise pile up (GBs for vLLM). An image
-    a container still uses stays (the engine refuses), as do the layers the new one shares."""
-    repo = tag.rsplit(":", 1)[0]
+def prune_other_tags(engine: Engine, tags: Sequence[str]) -> None:
+    """Remove the images of each tag's repository under other tags, in the order given (an
+    image's children first: one with children cannot go). A recipe or context that changed
+    leaves its old image behind, which would otherwise pile up (GBs for vLLM); an image a
+    container still uses stays (the engine refuses), as do the layers the new ones share."""
     listed = engine.run("images", "--format", "{{.Repository}}:{{.Tag}}", check=False).stdout
-    old = [name for name in listed.split() if name.rsplit(":", 1)[0] == repo and name != tag]
-    if old:
-        engine.run("rmi", *old, check=False, timeout_s=300)
+    for tag in tags:
+        repo = tag.rsplit(":", 1)[0]
+        old = [name for name in listed.split() if name.rsplit(":", 1)[0] == repo and name != tag]
+        if old:
+            engine.run("rmi", *old, check=False, timeout_s=300)
 
 
 def remove_quietly(engine: Engine, kind: str, names: Sequence[str]) -> None:
     """Remove containers (forced, no grace), networks or secrets; missing ones are fine."""
     if not names:
         return
-    args = {"container": ("rm", "-f", "-t", "0"), "network": ("network", "rm", "-f")}
+    force = ("rm", "-f", "-t", "0") if engine.name == "podman" else ("rm", "-f")  # no grace
+    args = {"container": force, "network": ("network", "rm", "-f")}
     cmd = args.get(kind, (kind, "rm"))
     engine.run(*cmd, *names, check=False, timeout_s=60)

@@ -22,7 +22,7 @@ from huggingface_hub.repocard import metadata_load
 
 from ..staging import stage
 from .bases import BUILD_TIMEOUT_S, Base, as_from
-from .engine import Engine, EngineFailed, image_size_mb, prune_other_tags
+from .engine import Engine, EngineFailed, image_size_mb
 
 __all__ = ["BuildFailed", "SpaceImage", "build_space_image", "gradio_dockerfile", "space_card"]
 
@@ -36,6 +36,8 @@ class BuildFailed(EngineFailed):
 
 @dataclass(frozen=True)
 class SpaceImage:
+    """A built Space image and what running it needs: its card's port, its command."""
+
     kind: str
     tag: str
     app_port: int
@@ -120,18 +122,22 @@ def build_space_image(
     args += ["-f", str(dockerfile)] if generated else []
     build_log = build_dir / f"build-{kind}.log"
     with as_from(engine, base), build_log.open("w") as out:
-        proc = subprocess.run(
-            [*engine.command(*args), str(context)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=engine.environ(),
-            timeout=BUILD_TIMEOUT_S,
-            check=False,
-        )
+        try:
+            proc = subprocess.run(
+                [*engine.command(*args), str(context)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=engine.environ(),
+                timeout=BUILD_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise BuildFailed(
+                f"the {kind} image took over {BUILD_TIMEOUT_S:.0f} s to build (log: {build_log})"
+            ) from None
     if proc.returncode != 0:
         raise BuildFailed(_failure(kind, build_log.read_text(errors="replace"), build_log))
     image = _inspected(engine, kind, tag, port, time.monotonic() - started)
-    prune_other_tags(engine, tag)
     log(f"image {kind}: built in {image.built_s:.0f} s, {image.size_mb:.0f} MB ({tag})")
     return image
 

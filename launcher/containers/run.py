@@ -2,9 +2,9 @@
 
 The same parts as `--local`, each started from the image its Space builds (`images`): the vLLM
 replicas, the dashboard and, with `--env wordle`, the Wordle environment. The trainer runs on the
-host, as a user's single-GPU trainer does. The bucket is a host folder mounted into the
-containers at its own path (the replica's `BUCKET` variable names it), and so is the built model
-folder, read-only (the first version is a virtual anchor naming that path).
+host, as a user's single-GPU trainer does. The bucket is a host folder mounted read-only into
+the containers at its own path (the replica's `BUCKET` variable names it), and so is the built
+model folder (the first version is a virtual anchor naming that path).
 
 Network: the containers share a podman network of their own with DNS names (netavark and
 aardvark), so the dashboard reaches `http://vllm-0:7860` by name as a Space reaches another by
@@ -26,11 +26,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from deltasync.defaults import SPACE_PORT
+from deltasync.store.local import current_umask
 
 from ..commands import shown
 from ..config import LocalConfig, env_kind
@@ -40,7 +42,7 @@ from ..staging import REPO_ROOT
 from ..supervisor import ProcessSpec, Supervisor
 from .bases import ensure_bases
 from .checks import check_conventions, check_required_variable
-from .engine import Engine, find_engine, remove_quietly
+from .engine import Engine, EngineFailed, find_engine, prune_other_tags, remove_quietly
 from .images import SpaceImage, build_space_image
 
 __all__ = ["ContainerSpec", "container_specs", "run_containers"]
@@ -50,7 +52,11 @@ _BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 # 160 MiB of /dev/shm with the local model. Spaces give a container more than podman's 64 MB.
 _VLLM_SHM = "1g"
 _SECRETS_DIR = "/run/secrets/deltasync"
-_EXPORT_SECRETS = f'for f in {_SECRETS_DIR}/*; do export "${{f##*/}}=$(cat "$f")"; done; exec "$@"'
+# A secret that cannot be read ends the container (an empty key would mean "no auth" to Wordle).
+_EXPORT_SECRETS = (
+    f'for f in {_SECRETS_DIR}/*; do v=$(cat "$f") || exit 1; export "${{f##*/}}=$v"; done; '
+    'exec "$@"'
+)
 
 
 @dataclass(frozen=True)
@@ -72,12 +78,11 @@ def container_specs(cfg: LocalConfig, plan: LocalPlan) -> list[ContainerSpec]:
     specs = []
     bucket = (plan.bucket, True)
     for service in plan.services:
-        port = int(service.ready_url.split(":")[-1].split("/")[0]) if service.ready_url else None
         if service.name == "wordle":
             secrets = {"ENV_API_KEY": plan.api_key}
-            specs.append(ContainerSpec("wordle", "wordle", port or cfg.env_port, {}, secrets))
+            specs.append(ContainerSpec("wordle", "wordle", cfg.env_port, {}, secrets))
         elif service.name == "dashboard":
-            replicas = ",".join(f"http://{name}:7860" for name in plan.replica_urls)
+            replicas = ",".join(f"http://{name}:{SPACE_PORT}" for name in plan.replica_urls)
             variables = {"DELTASYNC_BUCKET": str(plan.bucket), "DELTASYNC_REPLICAS": replicas}
             specs.append(
                 ContainerSpec(
@@ -91,9 +96,10 @@ def container_specs(cfg: LocalConfig, plan: LocalPlan) -> list[ContainerSpec]:
             variables = {
                 "MODEL": model,
                 "BUCKET": str(plan.bucket),
-                "VLLM_ARGS": shlex.join(vllm_args),
+                "VLLM_ARGS": _space_separated(vllm_args),
             }
-            if bind := service.env.get(_BIND_ENV):
+            # launch.py's split of the cores, else the user's own (podman forwards no variable)
+            if bind := service.env.get(_BIND_ENV) or os.environ.get(_BIND_ENV):
                 variables[_BIND_ENV] = bind
             mounts = (bucket, *([(Path(model), True)] if os.path.isabs(model) else []))
             port = int(plan.replica_urls[service.name].rsplit(":", 1)[1])
@@ -104,6 +110,17 @@ def container_specs(cfg: LocalConfig, plan: LocalPlan) -> list[ContainerSpec]:
                 )
             )
     return specs
+
+
+def _space_separated(args: Sequence[str]) -> str:
+    """`VLLM_ARGS` as the Space's entrypoint reads it: split on spaces, no quoting."""
+    for arg in args:
+        if not arg or any(c.isspace() or c in "'\"" for c in arg):
+            raise LaunchError(
+                f"--vllm-args {arg!r}: the vLLM Space splits VLLM_ARGS on spaces, so an "
+                "argument cannot hold spaces or quotes"
+            )
+    return " ".join(args)
 
 
 def check_readable(spec: ContainerSpec) -> None:
@@ -137,7 +154,9 @@ class _Resources:
         remove_quietly(self.engine, "network", [self.network])  # left by a killed run
         self.engine.run("network", "create", self.network)
 
-    def container_argv(self, spec: ContainerSpec, image: SpaceImage) -> list[str]:
+    def prepare_container(self, spec: ContainerSpec, image: SpaceImage) -> list[str]:
+        """The `engine run` command of `spec`, once its env file and secrets exist (a container
+        of that name left by a killed run is removed first)."""
         name = f"{self.prefix}-{spec.role}"
         remove_quietly(self.engine, "container", [name])
         self.containers.append(name)
@@ -153,7 +172,8 @@ class _Resources:
     def _env_file(self, role: str, values: Mapping[str, str]) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"{role}.env"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        path.unlink(missing_ok=True)  # a file left by a killed run keeps its own mode
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as out:
             out.writelines(f"{k}={v}\n" for k, v in values.items())
         self.env_files.append(path)
@@ -165,7 +185,7 @@ class _Resources:
         of type env, like any variable, in `podman inspect`)."""
         if not spec.secrets:
             return [image.tag]
-        if not self.engine.env_secrets:  # docker outside swarm: an env file (0600)
+        if not self.engine.has_secrets:  # docker outside swarm: an env file (0600)
             env_file = self._env_file(f"{spec.role}-secrets", spec.secrets)
             return ["--env-file", str(env_file), image.tag]
         args = []
@@ -180,15 +200,19 @@ class _Resources:
         return [*args, "--entrypoint", entrypoint, image.tag, *image.command]
 
     def remove(self) -> list[str]:
-        """Remove everything; returns what is still there afterwards (should be nothing)."""
-        remove_quietly(self.engine, "container", self.containers)
-        remove_quietly(self.engine, "network", [self.network])
-        remove_quietly(self.engine, "secret", self.secrets)
+        """Remove everything, each step whatever the others did; returns what is still there
+        afterwards (should be nothing)."""
         for path in self.env_files:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        left = [n for n in self.containers if self.engine.exists("container", n)]
-        return left + ([self.network] if self.engine.exists("network", self.network) else [])
+            path.unlink(missing_ok=True)
+        steps = (("container", self.containers), ("network", [self.network]))
+        for kind, names in (*steps, ("secret", self.secrets)):
+            with contextlib.suppress(EngineFailed):
+                remove_quietly(self.engine, kind, names)
+        left = []
+        for kind, names in (*steps, ("secret", self.secrets)):
+            with contextlib.suppress(EngineFailed):
+                left += [f"{kind} {n}" for n in names if self.engine.exists(kind, n)]
+        return left
 
 
 def _say(line: str) -> None:
@@ -207,6 +231,11 @@ def run_containers(cfg: LocalConfig, echo: Callable[[str], None] = _say) -> int:
     if cfg.dry_run:
         return _dry_run(engine, plan, specs, echo)
     check_ports(cfg)
+    if (mask := current_umask()) & 0o004:
+        raise LaunchError(
+            f"umask {mask:03o} makes the bucket's files unreadable to other users, and the "
+            "containers run as uid 1000: run with `umask 022`"
+        )
     plan.bucket.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     build_dir = plan.run_dir / "images"
@@ -216,7 +245,9 @@ def run_containers(cfg: LocalConfig, echo: Callable[[str], None] = _say) -> int:
         kind: build_space_image(engine, kind, build_dir, bases, echo)
         for kind in dict.fromkeys(s.kind for s in specs)
     }
-    check_required_variable(engine, images["vllm"])
+    # children first: an image that another one is built on cannot be removed before it
+    prune_other_tags(engine, [*(i.tag for i in images.values()), *(b.tag for b in bases.values())])
+    check_required_variable(engine, images["vllm"], f"deltasync-{cfg.run_name}-check")
     resources = _Resources(engine, cfg.run_name, plan.run_dir / "settings")
     try:
         resources.create_network()
@@ -224,9 +255,7 @@ def run_containers(cfg: LocalConfig, echo: Callable[[str], None] = _say) -> int:
     finally:
         left = resources.remove()
     if left:
-        raise LaunchError(
-            f"could not remove {', '.join(left)}; remove them with {engine.name} rm -f"
-        )
+        raise LaunchError(f"could not remove {', '.join(left)}; {engine.name} still lists them")
     for line in summarize(plan, cfg, time.monotonic() - started, code):
         echo(line)
     return code
@@ -276,7 +305,7 @@ def _container_process(
     """The local process's readiness and health checks, around `engine run` of its image."""
     return ProcessSpec(
         spec.role,
-        tuple(resources.container_argv(spec, image)),
+        tuple(resources.prepare_container(spec, image)),
         env=dict(resources.engine.env),
         ready_line=service.ready_line,
         ready_url=service.ready_url,

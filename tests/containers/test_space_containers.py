@@ -124,10 +124,12 @@ def test_quick_start_through_the_space_containers(built, tmp_path):
 
 
 def test_vllm_entrypoint_refuses_to_start_without_a_required_variable(built):
-    line = check_required_variable(built.engine, built.images["vllm"], "BUCKET")
+    name = f"deltasync-test-{secrets.token_hex(3)}"
+    line = check_required_variable(built.engine, built.images["vllm"], name, "BUCKET")
     assert "set the BUCKET variable: hf://buckets/NAMESPACE/NAME" in line
-    line = check_required_variable(built.engine, built.images["vllm"], "MODEL")
+    line = check_required_variable(built.engine, built.images["vllm"], name, "MODEL")
     assert "set the MODEL variable" in line
+    assert not built.engine.exists("container", name)
 
 
 def test_a_broken_context_fails_at_its_dockerfile_step(built, tmp_path):

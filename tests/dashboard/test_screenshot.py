@@ -99,12 +99,12 @@ def dashboard_container(bucket: Path, tmp_path: Path) -> Iterator[str]:
     engine = find_engine()
     image = build_space_image(engine, "dashboard", tmp_path, ensure_bases(engine, print), print)
     name, port = f"deltasync-test-dashboard-{os.getpid()}", free_port()
-    engine.run(
-        "run", "-d", "--rm", "--name", name, "-p", f"127.0.0.1:{port}:{image.app_port}",
-        "-v", f"{bucket}:{bucket}:ro", "--env", f"DELTASYNC_BUCKET={bucket}", image.tag,
-    )  # fmt: skip
     url = f"http://127.0.0.1:{port}/"
     try:
+        engine.run(
+            "run", "-d", "--rm", "--name", name, "-p", f"127.0.0.1:{port}:{image.app_port}",
+            "-v", f"{bucket}:{bucket}:ro", "--env", f"DELTASYNC_BUCKET={bucket}", image.tag,
+        )  # fmt: skip
         deadline = time.monotonic() + CONTAINER_START_S
         while not _answers(url):
             assert time.monotonic() < deadline, engine.run("logs", name, check=False).stdout[-2000:]

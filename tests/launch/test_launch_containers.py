@@ -16,6 +16,7 @@ from launcher.config import LocalConfig
 from launcher.containers.engine import INSTALL_COMMAND, Engine, EngineMissing, find_engine
 from launcher.containers.images import _failure, _qualified, gradio_dockerfile
 from launcher.containers.run import _Resources, container_specs
+from launcher.errors import LaunchError
 from launcher.local import local_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +105,7 @@ def test_each_space_gets_its_settings_and_no_secret_reaches_a_command_line(tmp_p
 
     command = ("/usr/local/bin/deltasync-entrypoint",)
     image = SpaceImage("vllm", "localhost/deltasync/vllm:x", 7860, 1.0, None, True, command)
-    argv = resources.container_argv(replica, image)
+    argv = resources.prepare_container(replica, image)
     assert key not in " ".join(argv)
     assert "127.0.0.1:8011:7860" in argv
     # the image's own command runs after the secrets are exported
@@ -149,3 +150,12 @@ def test_a_failed_build_names_its_dockerfile_step(tmp_path):
     assert _qualified("python:3.11-slim") == "docker.io/library/python:3.11-slim"
     assert _qualified("vllm/vllm-openai:v0.32.0") == "docker.io/vllm/vllm-openai:v0.32.0"
     assert _qualified("localhost/x/y:1") == "localhost/x/y:1"
+
+
+def test_vllm_args_that_the_space_cannot_split_are_refused(tmp_path, monkeypatch):
+    """The vLLM Space splits VLLM_ARGS on spaces: a quoted argument would reach vLLM quoted."""
+    cfg = LocalConfig(
+        workdir=tmp_path, env="sanity", vllm_args="--compilation-config '{\"level\": 0}'"
+    )
+    with pytest.raises(LaunchError, match="cannot hold spaces or quotes"):
+        container_specs(cfg, local_plan(cfg, cores=[0, 1]))
