@@ -43,7 +43,15 @@ from .errors import LaunchError, ProcessFailed
 from .staging import REPO_ROOT
 from .supervisor import ProcessSpec, Supervisor
 
-__all__ = ["LocalPlan", "check_ports", "core_binds", "local_plan", "run_local", "summarize"]
+__all__ = [
+    "LocalPlan",
+    "build_model",
+    "check_ports",
+    "core_binds",
+    "local_plan",
+    "run_local",
+    "summarize",
+]
 
 # Wordle's prompt with its tool schema is ~1300 tokens for a built model's byte-level tokenizer,
 # an MCP server's four tools ~1500, and every turn adds its call and the reply: the built model's
@@ -220,14 +228,7 @@ def run_local(cfg: LocalConfig, echo: Callable[[str], None] = print) -> int:
         sup.say(f"run {cfg.run_name}: bucket {plan.bucket}, logs {plan.run_dir / 'logs'}")
         sup.say(f"starting {', '.join(s.name for s in plan.services)} (a minute or two)")
         early = [sup.start(s) for s in plan.services if not s.name.startswith("vllm-")]
-        if plan.prepare is not None:
-            prep = sup.start(plan.prepare)
-            if sup.wait_exit(prep, _PREPARE_TIMEOUT_S) != 0:
-                raise ProcessFailed(
-                    f"building the model failed:\n{prep.last_lines()}", name="prepare"
-                )
-            if env_kind(cfg.env) != "sanity" and cfg.vllm_args is None:
-                _check_context(cfg.model_dir.resolve())
+        build_model(sup, plan, cfg)
         replicas = [sup.start(s) for s in plan.services if s.name.startswith("vllm-")]
         sup.wait_ready([*early, *replicas], cfg.startup_timeout_s)
         sup.say(
@@ -239,6 +240,18 @@ def run_local(cfg: LocalConfig, echo: Callable[[str], None] = print) -> int:
     for line in summarize(plan, cfg, time.monotonic() - started, code):
         echo(line)
     return code
+
+
+def build_model(sup: Supervisor, plan: LocalPlan, cfg: LocalConfig) -> None:
+    """Build the random model (when the run uses one) before any replica loads it, and check
+    that a tool environment's prompts fit its context."""
+    if plan.prepare is None:
+        return
+    prep = sup.start(plan.prepare)
+    if sup.wait_exit(prep, _PREPARE_TIMEOUT_S) != 0:
+        raise ProcessFailed(f"building the model failed:\n{prep.last_lines()}", name="prepare")
+    if env_kind(cfg.env) != "sanity" and cfg.vllm_args is None:
+        _check_context(cfg.model_dir.resolve())
 
 
 def summarize(plan: LocalPlan, cfg: LocalConfig, elapsed_s: float, code: int) -> list[str]:

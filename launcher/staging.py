@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from .errors import LaunchError
 from .plan import MARKER_TAG
 
-__all__ = ["CONTEXTS", "REPO_ROOT", "describe", "revision", "sources", "stage"]
+__all__ = ["CONTEXTS", "REPO_ROOT", "describe", "revision", "sources", "stage", "tree_digest"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_INFO = "BUILD_INFO.json"
@@ -105,7 +105,7 @@ def stage(kind: str, dest: Path, root: Path = REPO_ROOT) -> Path:
     readme = dest / "README.md"
     if readme.is_file():
         readme.write_text(_with_tag(readme.read_text(), MARKER_TAG))
-    info = {"kind": kind, **revision(root), "files_sha256": _tree_digest(dest)}
+    info = {"kind": kind, **revision(root), "files_sha256": tree_digest(dest)}
     (dest / BUILD_INFO).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
     return dest
 
@@ -133,7 +133,8 @@ def _with_tag(readme: str, tag: str) -> str:
     return "\n".join([lines[0], *front, *lines[end:]])
 
 
-def _tree_digest(folder: Path) -> str:
+def tree_digest(folder: Path) -> str:
+    """sha256 of every file's path and bytes under `folder`, in a fixed order."""
     h = hashlib.sha256()
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         h.update(path.relative_to(folder).as_posix().encode() + b"\0")

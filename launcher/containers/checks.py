@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import LaunchError
-from .engine import Engine, EngineFailed, remove_quietly
+from .engine import Engine, EngineFailed, output_lines, remove_quietly
 
 if TYPE_CHECKING:
     from .images import SpaceImage
@@ -83,8 +83,7 @@ def check_required_variable(
         ) from None
     finally:
         remove_quietly(engine, "container", [name])
-    lines = [x for x in (proc.stderr + proc.stdout).splitlines() if x.strip()]
-    lines = [x for x in lines if "unable to get systemd connection" not in x]
+    lines = output_lines(proc.stderr + proc.stdout)
     if proc.returncode == 0 or len(lines) != 1 or missing not in lines[0]:
         raise ConventionBroken(
             f"the vllm image started without {missing}: expected a one-line error and a "

@@ -27,6 +27,7 @@ __all__ = [
     "EngineMissing",
     "find_engine",
     "image_size_mb",
+    "output_lines",
     "prune_other_tags",
     "remove_quietly",
     "store_dir",
@@ -144,9 +145,13 @@ class Engine:
 _NOISE = "unable to get systemd connection"  # podman without systemd, on every command
 
 
+def output_lines(text: str) -> list[str]:
+    """The non-empty lines of an engine's output, less podman's systemd noise."""
+    return [x for x in (text or "").splitlines() if x.strip() and _NOISE not in x]
+
+
 def _last_lines(text: str, n: int = 15) -> str:
-    lines = [x for x in (text or "").splitlines() if _NOISE not in x][-n:]
-    return "\n".join(f"    {x}" for x in lines)
+    return "\n".join(f"    {x}" for x in output_lines(text)[-n:])
 
 
 def _podman(exe: str) -> Engine:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from huggingface_hub.repocard import metadata_load
 
-from ..staging import stage
+from ..staging import stage, tree_digest
 from .bases import BUILD_TIMEOUT_S, Base, as_from
-from .engine import Engine, EngineFailed, image_size_mb
+from .engine import Engine, EngineFailed, image_size_mb, output_lines
 
 __all__ = ["BuildFailed", "SpaceImage", "build_space_image", "gradio_dockerfile", "space_card"]
 
@@ -78,13 +78,9 @@ def gradio_dockerfile(card: Mapping[str, object]) -> str:
     )
 
 
-def _digest(folder: Path, *extra: str) -> str:
-    h = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        h.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes())
-    for part in extra:
-        h.update(part.encode() + b"\0")
-    return h.hexdigest()[:12]
+def _digest(context: Path, *extra: str) -> str:
+    """What an image is built from: the context's files, then `extra` (Dockerfile, base)."""
+    return hashlib.sha256("\0".join((tree_digest(context), *extra)).encode()).hexdigest()[:12]
 
 
 def build_space_image(
@@ -159,7 +155,7 @@ def _qualified(name: str) -> str:
 
 def _failure(kind: str, text: str, log: Path) -> str:
     """`the <kind> image did not build: Dockerfile STEP 3/9 (COPY ...) failed: <error>`."""
-    lines = [x for x in text.splitlines() if x.strip() and "systemd" not in x]
+    lines = output_lines(text)
     step = None
     for line in lines:
         if found := _STEP.match(line):

@@ -36,8 +36,8 @@ from deltasync.store.local import current_umask
 
 from ..commands import shown
 from ..config import LocalConfig, env_kind
-from ..errors import LaunchError, ProcessFailed
-from ..local import LocalPlan, check_ports, local_plan, summarize
+from ..errors import LaunchError
+from ..local import LocalPlan, build_model, check_ports, local_plan, summarize
 from ..staging import REPO_ROOT
 from ..supervisor import ProcessSpec, Supervisor
 from .bases import ensure_bases
@@ -274,12 +274,7 @@ def _supervise(cfg, plan, specs, images, resources, engine, started) -> int:
             for s in specs
         }
         early = [sup.start(p) for role, p in procs.items() if not role.startswith("vllm-")]
-        if plan.prepare is not None:
-            prep = sup.start(plan.prepare)
-            if sup.wait_exit(prep, 600) != 0:
-                raise ProcessFailed(
-                    f"building the model failed:\n{prep.last_lines()}", name="prepare"
-                )
+        build_model(sup, plan, cfg)
         for spec in specs:
             check_readable(spec)
         replicas = [sup.start(p) for role, p in procs.items() if role.startswith("vllm-")]
