@@ -39,16 +39,3 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
         for kind in ("wordle", "dashboard", "vllm")
     }
     yield Built(engine, bases, images, build_dir, lines)
-
-
-def leftovers(engine: Engine, prefix: str) -> dict[str, list[str]]:
-    """Containers, networks and secrets whose names start with `prefix`."""
-    found = {}
-    for kind, args in {
-        "containers": ("ps", "-a", "--format", "{{.Names}}"),
-        "networks": ("network", "ls", "--format", "{{.Name}}"),
-        "secrets": ("secret", "ls", "--format", "{{.Name}}"),
-    }.items():
-        out = engine.run(*args).stdout.split()
-        found[kind] = [name for name in out if name.startswith(prefix)]
-    return found

@@ -20,10 +20,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import leftovers
 from server_process import free_port
 
 from launcher.containers.checks import check_required_variable
+from launcher.containers.engine import Engine
 from launcher.containers.images import BuildFailed, build_space_image
 from launcher.staging import stage
 
@@ -36,6 +36,19 @@ CHECKED = re.compile(
     r"^(wordle|dashboard|vllm-0): uid 1000, HOME /home/user writable, answering on app_port "
     r"(\d+), (HEALTHCHECK passes|no HEALTHCHECK in the image)$"
 )
+
+
+def leftovers(engine: Engine, prefix: str) -> dict[str, list[str]]:
+    """Containers, networks and secrets whose names start with `prefix`."""
+    found = {}
+    for kind, args in {
+        "containers": ("ps", "-a", "--format", "{{.Names}}"),
+        "networks": ("network", "ls", "--format", "{{.Name}}"),
+        "secrets": ("secret", "ls", "--format", "{{.Name}}"),
+    }.items():
+        out = engine.run(*args).stdout.split()
+        found[kind] = [name for name in out if name.startswith(prefix)]
+    return found
 
 
 def _get(url: str) -> int:
