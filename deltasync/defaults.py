@@ -21,6 +21,10 @@ RECOMPUTE_EVERY = 50  # the full-state digest recomputed from the held bytes eve
 PAUSE_DEADLINE_S = 90.0  # longest pause of generation for one sync
 FOLLOW_INTERVAL_S = 2.0  # a following replica's manifest polls
 
+# Every reader: how many bytes of a file it has in flight at once (anchors are read in pieces of
+# `Store.range_bytes`, never whole), beside what it holds.
+READ_WINDOW_BYTES = 128 * 1024 * 1024
+
 # Where the local parts listen (loopback only); replica i listens on VLLM_PORT + 10 * i.
 HOST = "127.0.0.1"
 VLLM_PORT = 8001

@@ -41,6 +41,8 @@ BENCH = [
     ("bench.replica", ["--workdir", A_FILE], "argument --workdir:"),
     ("bench.replica", ["--synthetic", "2"], "argument --synthetic: expected a number in (0, 1)"),
     ("bench.codec", ["--lr=-1e-6"], "argument --lr: expected a learning rate"),
+    ("bench.reader_memory", ["--density", "2"], "argument --density: expected a number in (0, 1)"),
+    ("bench.replica_memory", ["--tp", "0"], "argument --tp: expected an integer >= 1"),
     ("bench.codec", ["--json", str(ROOT)], "is a folder; give a file name"),
     ("bench.realistic", ["--seed", "-1"], "argument --seed: expected an integer >= 0"),
     ("bench.chaos", ["--fault-rate", "1"], "argument --fault-rate: expected a number in [0, 1)"),

@@ -67,4 +67,5 @@ def decode_tensor(
         local, kept = box.localize(idx.numpy())
         idx = torch.from_numpy(np.ascontiguousarray(local))
         values = values[kept if isinstance(kept, slice) else torch.from_numpy(kept)]
-    return TensorChange(idx, values, gather(base, idx))
+    # values of the file's own bytes (a view, `codec.files`): the change gets its own copy
+    return TensorChange(idx, values.clone(), gather(base, idx))

@@ -45,6 +45,10 @@ __all__ = [
 ]
 
 MIN_GROUP = 512  # changes per exponent group at least (fewer: merged with the next exponents)
+# Tile counts a blob may carry (groups x tiles) beyond one group's: what a reader allocates for
+# them before it reads a change. A tensor whose sides are twice an odd number has tiles of one
+# element, so tiles can reach its element count: its writer then merges groups to stay within.
+MAX_TILE_COUNTS = 1 << 21
 _SPLITS = 8  # tiles per dimension (the last one shorter, or empty, where padding falls)
 
 
@@ -241,17 +245,26 @@ def _by_group(
 # --- encoding ----------------------------------------------------------------------------------
 
 
-def _cuts(exponents: np.ndarray) -> np.ndarray:
+def max_groups(count: int, tiles: int) -> int:
+    """The most exponent groups a blob of `count` changes over `tiles` tiles may have: each
+    group holds at least `MIN_GROUP` changes, and the tile counts stay within
+    `MAX_TILE_COUNTS` (or one group's)."""
+    return max(1, min(256, count // MIN_GROUP, MAX_TILE_COUNTS // max(1, tiles)))
+
+
+def _cuts(exponents: np.ndarray, most: int = 256) -> np.ndarray:
     """Group boundaries (ascending exponents 1..255, a group starts at each) such that every
-    group holds at least MIN_GROUP of the changed elements' base exponents."""
+    group holds at least MIN_GROUP of the changed elements' base exponents, and there are at
+    most `most` groups."""
     counts = np.bincount(exponents, minlength=256)
+    least = max(MIN_GROUP, -(-exponents.size // most))
     cuts, acc = [], 0
     for e in range(256):
-        if acc >= MIN_GROUP and counts[e]:
+        if acc >= least and counts[e]:
             cuts.append(e)
             acc = 0
         acc += int(counts[e])
-    if cuts and acc < MIN_GROUP:
+    if cuts and acc < least:
         cuts.pop()
     return np.asarray(cuts, np.int64)
 
@@ -271,7 +284,8 @@ def encode_tensor(
         raise ValueError(f"base of {base_bits.size} elements for rows {rows} of {shape}")
     idx = np.ascontiguousarray(change.indices.numpy(), np.int64)
     previous = bits(change.previous).view(np.uint16)
-    cuts = _cuts(((previous >> 7) & 0xFF).astype(np.int64))
+    most = max_groups(idx.size, grid.tiles(*rows))
+    cuts = _cuts(((previous >> 7) & 0xFF).astype(np.int64), most)
     groups = cuts.size + 1
     n = idx.size
     group = np.empty(n, np.int64)
@@ -385,9 +399,16 @@ def _streams(
     cuts, streams = _header(data)
     groups = cuts.size + 1
     tiles = grid.tiles(*rows)
+    if groups > max_groups(count, tiles):  # before a count is allocated
+        raise FormatError(
+            f"ctx: {groups} exponent groups for {count} changes in {tiles} tiles; at most "
+            f"{max_groups(count, tiles)} (each group holds {MIN_GROUP} changes or more)"
+        )
     counts = decode_integers(streams[0], groups * tiles, "ctx counts").reshape(groups, tiles)
     if counts.sum() != count or (counts > grid.tile_rows * grid.tile_cols).any():
         raise FormatError(f"ctx: the tiles' counts do not add up to {count} changes")
+    if groups > 1 and (counts.sum(axis=1) < MIN_GROUP).any():
+        raise FormatError(f"ctx: a group of fewer than {MIN_GROUP} changes")
     start = np.zeros((groups, tiles + 1), np.int64)
     start[:, 1:] = np.cumsum(counts, axis=1)
     start += np.concatenate(([0], np.cumsum(counts.sum(axis=1))[:-1]))[:, None]

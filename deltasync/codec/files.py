@@ -6,7 +6,8 @@ caller's state can be touched.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -15,10 +16,11 @@ import safetensors.torch
 import torch
 
 from deltasync.codec import ans, coo, ctx, packed
+from deltasync.codec.anchors import read_anchor
 from deltasync.codec.virtual import source_tensors
 from deltasync.defaults import ENCODING
 from deltasync.errors import FormatError
-from deltasync.kernels.boxes import Boxes
+from deltasync.kernels.boxes import Box, Boxes
 from deltasync.kernels.changes import WORKERS, Diff, TensorChange, bits
 from deltasync.kernels.state_hash import state_sums
 from deltasync.wire.digests import StateDigest, tensor_digest, total
@@ -33,10 +35,12 @@ from deltasync.wire.metadata import (
     validate_run_id,
 )
 from deltasync.wire.source import ModelSource
+from deltasync.wire.stored import StoredFile
 
 __all__ = [
     "DecodedFile",
     "Gathering",
+    "anchor_metadata",
     "decode",
     "encode_anchor",
     "encode_delta",
@@ -75,11 +79,13 @@ class Gathering(Protocol):
 
 @dataclass(frozen=True)
 class DecodedFile:
-    """A validated file: full `tensors` for an anchor, per-tensor `changes` for a delta."""
+    """A validated file: full `tensors` for an anchor (with the xxh3 `digests` of the whole
+    ones, computed as their bytes were read), per-tensor `changes` for a delta."""
 
     meta: FileMetadata
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     changes: dict[str, TensorChange] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
 
 
 def encode_anchor(
@@ -98,6 +104,30 @@ def encode_anchor(
     the file is one part of a sharded anchor: `tensors` are the part's rows of each tensor,
     `shapes` the full shapes, and `state_digest` (required) the part's share of the digest.
     """
+    metadata = anchor_metadata(
+        tensors,
+        run_id=run_id,
+        version=version,
+        digests=digests,
+        state_digest=state_digest,
+        part=part,
+        shapes=shapes,
+    )
+    return safetensors.torch.save(dict(tensors), metadata=metadata)
+
+
+def anchor_metadata(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    run_id: str,
+    version: int,
+    digests: Mapping[str, str] | None = None,
+    state_digest: StateDigest | None = None,
+    part: PartInfo | None = None,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> dict[str, str]:
+    """The `__metadata__` of `encode_anchor`'s file, for a writer that streams the tensors
+    to a file itself (`tools.export.weights.write_safetensors`)."""
     validate_run_id(run_id)
     if version < 1:
         raise FormatError(f"versions count from 1, got {version}")
@@ -121,7 +151,7 @@ def encode_anchor(
     meta = FileMetadata(
         run_id, version, None, "anchor", "full", entries, state_digest=state_digest, part=part
     )
-    return safetensors.torch.save(dict(tensors), metadata=meta.to_strings())
+    return meta.to_strings()
 
 
 def _check_savable(tensors: Mapping[str, torch.Tensor]) -> None:
@@ -237,12 +267,13 @@ def _changed_count(diff: Diff, name: str) -> int:
 
 
 def decode(
-    file: bytes | ParsedFile | ParsedParts,
+    file: bytes | ParsedFile | StoredFile | ParsedParts,
     *,
     base: Mapping[str, torch.Tensor] | None = None,
     path: str | None = None,
     offsets: Mapping[str, int] | None = None,
     boxes: Boxes | None = None,
+    consume: Callable[[str, TensorChange], None] | None = None,
 ) -> DecodedFile:
     """Validate and decode a file; deltas need `base`, the reader's tensors at the base version.
 
@@ -254,22 +285,27 @@ def decode(
     part). With `boxes`, the reader holds one box of each tensor (a tensor-parallel worker):
     an anchor yields only the boxes (reading only their bytes), a delta only the changes inside
     them, at the boxes' flat indices, against `base` holding the boxes. A `base` that gathers
-    (`Gathering`) is read only at the changed indices. Raises `FormatError` for anything
-    malformed; never mutates `base`.
+    (`Gathering`) is read only at the changed indices. With `consume`, a delta's changes are
+    handed over tensor by tensor as each is decoded (and not kept: `changes` comes back
+    empty), so that a reader writing them into tensors of its own holds one at a time. Raises
+    `FormatError` for anything malformed; never mutates `base`.
     """
     if isinstance(file, ParsedParts):
         return _decode_parts(file, base, boxes)
-    parsed = file if isinstance(file, ParsedFile) else ParsedFile.parse(file, path=path)
-    data, header, meta, path = parsed.data, parsed.header, parsed.meta, parsed.path
+    parsed = (
+        file if isinstance(file, ParsedFile | StoredFile) else ParsedFile.parse(file, path=path)
+    )
+    header, meta, path = parsed.header, parsed.meta, parsed.path
     try:
         if meta.kind == "anchor":
             _check_anchor_keys(meta, header.tensors)
             if meta.source is not None:  # a virtual anchor: the tensors come from its source
                 shapes = {n: e.shape for n, e in meta.tensors.items()}
                 return DecodedFile(meta, tensors=dict(source_tensors(meta.source, shapes, boxes)))
-            if boxes is not None:
-                return DecodedFile(meta, tensors=_load_boxes(parsed, boxes))
-            return DecodedFile(meta, tensors=_load(data, path))
+            tensors, digests = read_anchor(parsed, boxes=boxes)
+            return DecodedFile(meta, tensors=tensors, digests=digests)
+        if isinstance(parsed, StoredFile):
+            raise FormatError("a delta is decoded from its bytes, read whole", path=path)
         if base is None:
             raise FormatError("decoding a delta needs the base tensors", path=path)
         if meta.declared is not None:
@@ -278,13 +314,20 @@ def decode(
                 path=path,
             )
         names = _check_delta_keys(meta, header.tensors)
-        tensors = _load(data, path)
+        tensors = _arrays(parsed)
+
+        def one(name: str) -> TensorChange | None:
+            change = _decode_one(meta, name, tensors, base, offsets, boxes)
+            if consume is None:
+                return change
+            consume(name, change)
+            return None
+
         with ThreadPoolExecutor(WORKERS) as pool:  # zstd and the compiled decoders release the GIL
-            decoded = pool.map(
-                lambda name: _decode_one(meta, name, tensors, base, offsets, boxes), names
-            )
-            changes = dict(zip(names, decoded, strict=True))
-        return DecodedFile(meta, changes=changes)
+            decoded = list(pool.map(one, names))
+        if consume is not None:
+            return DecodedFile(meta)
+        return DecodedFile(meta, changes=dict(zip(names, decoded, strict=True)))  # type: ignore[arg-type]
     except FormatError as exc:
         if exc.path is None and path is not None:
             raise FormatError(str(exc), path=path, tensor=exc.tensor) from None
@@ -299,16 +342,9 @@ def _decode_parts(
     anchor, index lists for a delta (the parts' rows ascend, so the indices stay ascending;
     so do a box's own indices, which keep row-major order)."""
     meta = parts.meta
-    if meta.kind == "anchor" and boxes is not None:  # each part yields its rows of each box
-        decoded = []
-        for p in parts.parts:
-            rows = p.meta.part.rows if p.meta.part is not None else {}
-            decoded.append(decode(p, boxes={n: b.clip(*rows[n]) for n, b in boxes.items()}))
-    else:
-        decoded = [decode(p, base=base, boxes=boxes) for p in parts.parts]
     if meta.kind == "anchor":
-        tensors = {n: torch.cat([d.tensors[n] for d in decoded]) for n in meta.tensors}
-        return DecodedFile(meta, tensors=tensors)
+        return DecodedFile(meta, tensors=_read_anchor_parts(parts, boxes))
+    decoded = [decode(p, base=base, boxes=boxes) for p in parts.parts]
     per_tensor: dict[str, list[TensorChange]] = {}
     for part, found in zip(parts.parts, decoded, strict=True):
         info = part.meta.part
@@ -338,40 +374,48 @@ def _decode_parts(
 _CHANGE_FIELDS = ("indices", "values", "previous")
 
 
-def _load(data: bytes, path: str | None) -> dict[str, torch.Tensor]:
-    try:
-        return safetensors.torch.load(data)
-    except Exception as exc:  # safetensors raises its own SafetensorError (not exported)
-        raise FormatError(f"unreadable safetensors data: {exc}", path=path) from None
+def _read_anchor_parts(parts: ParsedParts, boxes: Boxes | None) -> dict[str, torch.Tensor]:
+    """Each tensor (or box) allocated once, each part's rows read straight into their place."""
+    shapes = {n: e.shape for n, e in parts.meta.tensors.items()}
+    held = boxes if boxes is not None else {n: Box.whole(s) for n, s in shapes.items()}
+    unknown = sorted(set(shapes) - set(held))
+    if unknown:
+        raise FormatError("unknown tensor name (not in the reader's model)", tensor=unknown[0])
+    tensors = {n: torch.empty(held[n].local_shape, dtype=torch.bfloat16) for n in shapes}
+    for part in parts.parts:
+        assert part.meta.part is not None
+        _check_anchor_keys(part.meta, part.header.tensors)
+        clipped, into = {}, {}
+        for name, (start, stop) in part.meta.part.rows.items():
+            box = held[name].clip(start, stop)
+            first = box.rows[0] + start - held[name].rows[0]  # in the held box's own rows
+            clipped[name] = box
+            into[name] = tensors[name][first : first + box.rows[1] - box.rows[0]]
+        try:
+            read_anchor(part, boxes=clipped, into=into)
+        except FormatError as exc:
+            raise FormatError(str(exc), path=part.path, tensor=exc.tensor) from None
+    return tensors
 
 
-def _load_boxes(parsed: ParsedFile, boxes: Boxes) -> dict[str, torch.Tensor]:
-    """Each tensor's box, read from its bytes in the file (whole rows when the box is a range
-    of rows; the tensor's rows, then its columns, otherwise)."""
-    data, header = memoryview(parsed.data), parsed.header
-    out = {}
-    for name, info in header.tensors.items():
-        box = boxes.get(name)
-        if box is None:
-            raise FormatError("unknown tensor name (not in the reader's model)", tensor=name)
-        if box.shape != info.shape:
-            raise FormatError(
-                f"shape {info.shape} differs from the reader's {box.shape}", tensor=name
+_TORCH_DTYPES = {"U8": torch.uint8, "I32": torch.int32, "BF16": torch.bfloat16}
+
+
+def _arrays(parsed: ParsedFile) -> dict[str, torch.Tensor]:
+    """A delta's arrays as views of its bytes, not copies: the header was checked (its offsets
+    tile the data section, its dtypes are the encoding's), and the decoders only read them."""
+    header, out = parsed.header, {}
+    with warnings.catch_warnings():  # a view of `bytes` is not writable; nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        for name, info in header.tensors.items():
+            dtype = _TORCH_DTYPES[info.dtype]
+            if not info.numel:
+                out[name] = torch.empty(info.shape, dtype=dtype)
+                continue
+            flat = torch.frombuffer(
+                parsed.data, dtype=dtype, count=info.numel, offset=header.data_offset + info.start
             )
-        row_bytes = 2 * box.row_numel
-        r0, r1 = box.rows if box.cols is None else (0, info.shape[0] if info.shape else 1)
-        start = header.data_offset + info.start + r0 * row_bytes
-        raw = bytearray(data[start : start + (r1 - r0) * row_bytes])  # owned: the data may go
-        rows = (r1 - r0, *info.shape[1:]) if info.shape else ()
-        tensor = (
-            torch.frombuffer(raw, dtype=torch.bfloat16)
-            if raw
-            else torch.empty(0, dtype=torch.bfloat16)
-        )
-        tensor = tensor.reshape(rows)
-        out[name] = (
-            tensor if box.cols is None else tensor[:, box.cols[0] : box.cols[1]].contiguous()
-        )
+            out[name] = flat.reshape(info.shape)
     return out
 
 

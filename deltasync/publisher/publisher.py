@@ -191,8 +191,9 @@ class Publisher:
         """Queue the next version of `source`; blocks only while the queue is full.
 
         Raises:
-            PublishError: an earlier version failed (raised once; publishing then resumes), or
-                a takeover found a file of the chain gone while it replayed the bucket.
+            PublishError: an earlier version failed (raised once; publishing then resumes), a
+                takeover found a file of the chain gone while it replayed the bucket, or the
+                first version has no tensors.
         """
         if self._failure is not None:
             failure = self._failure
@@ -205,7 +206,13 @@ class Publisher:
             self._start()
         with self._lock:
             if self._snapshot is None:
-                self._snapshot, diff = self._detector(Bf16Snapshot.capture(source), source), None
+                captured = Bf16Snapshot.capture(source)
+                if not captured.tensors:
+                    raise PublishError(
+                        "the model has no tensors to publish (an empty state dict, or a module "
+                        "whose parameters were not built yet)"
+                    )
+                self._snapshot, diff = self._detector(captured, source), None
             else:
                 if self._resumed and isinstance(self._snapshot, Bf16Snapshot):
                     self._snapshot = self._detector(self._snapshot, source)

@@ -128,7 +128,7 @@ class Planned:
                 data = ahead.take(entry)
                 if data is not None:
                     try:
-                        return check_file(file, data, tensors=len(ahead.shapes))
+                        return check_file(file, data, tensors=len(ahead.shapes), entry=entry)
                     except FormatError as exc:
                         log.warning(
                             "deltasync: the bytes read ahead do not match the manifest (%s); "

@@ -1,15 +1,17 @@
 """Replaying a chain: the one loop by which every reader walks the files of a plan.
 
-Two modes. Streaming (the default) applies one file at a time, so only one file is in memory:
-`verify`, `replay`, `export` and a sharded trainer's resume. All or nothing fetches every
-file first, then stages and commits them together, so a failure anywhere leaves the reader
-as it was: a replica catching up (`Replica.sync`); a vLLM worker stages while it
-serves (`fetch_all`) and commits later, in the pause.
+Two modes. Streaming (the default) applies one file at a time: a sharded trainer's resume, and
+`verify` past its first anchor. All or nothing stages every file, each fetched as staging reaches
+it, then commits them together, so a failure anywhere leaves the reader as it was: a replica
+catching up (`Replica.sync`), `export`, `replay`; a vLLM worker stages while it serves
+(`fetch_all`) and commits later, in the pause. Staged after an anchor, a delta is written into
+the anchor's tensors as it decodes (`Replica`), so a cold start holds one state, not a state and
+its deltas.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from deltasync.store import Store
@@ -36,9 +38,10 @@ def bounded_by(reader: Any) -> Fetch:
 
 def fetch_all(
     store: Store, plan: Iterable[ChainEntry], fetch: Fetch = fetch_entry
-) -> list[tuple[FileData, str]]:
-    """Every file of `plan`, fetched (and size-checked by `fetch`), with its label."""
-    return [(fetch(store, entry), entry.label) for entry in plan]
+) -> Iterator[tuple[FileData, str]]:
+    """Every file of `plan`, fetched (and size-checked by `fetch`) as it is asked for, with
+    its label: a reader staging them one after the other holds one file's bytes at a time."""
+    return ((fetch(store, entry), entry.label) for entry in plan)
 
 
 def replay(

@@ -28,12 +28,13 @@ from deltasync.codec.virtual import SourcePolicy
 from deltasync.errors import ChainError, DigestMismatch, FormatError
 from deltasync.kernels.boxes import Boxes, box_change_sums, box_sums
 from deltasync.kernels.changes import WORKERS, TensorChange, bits, gather, scatter
-from deltasync.kernels.state_hash import apply_changes, state_sums
+from deltasync.kernels.state_hash import apply_changes, change_sum, state_sums
 from deltasync.replica.driven import plan_sync
 from deltasync.replica.replay import bounded_by, replay
 from deltasync.store import Store
 from deltasync.wire.digests import StateDigest, tensor_digest, total
 from deltasync.wire.manifest import FileData
+from deltasync.wire.stored import StoredFile
 
 __all__ = ["DictSink", "Replica", "Sink", "StagedFile", "StagedUpdate"]
 
@@ -395,20 +396,18 @@ class Replica:
         run_id: str | None,
         version: int | None,
         shapes: Shapes,
-    ) -> ParsedFile | ParsedParts:
+    ) -> ParsedFile | StoredFile | ParsedParts:
         known = len(shapes) or None  # a replica that knows its model bounds every header
         if isinstance(data, tuple):  # the parts of a sharded version, read as one file
-            return ParsedParts.of(
-                [ParsedFile.parse(d, path=path, tensors=known) for d in data], path=path
-            )
-        parsed = ParsedFile.parse(data, path=path, tensors=known)
+            return ParsedParts.of([_parsed(d, path, known) for d in data], path=path)
+        parsed = _parsed(data, path, known)
         if parsed.meta.part is not None:
             raise FormatError(
                 "a part of a sharded version is applied with all its parts", path=path
             )
         if not parsed.meta.legacy:
             return parsed
-        if not self.allow_legacy:
+        if not self.allow_legacy or isinstance(parsed, StoredFile):
             raise FormatError(
                 "TRL v1 file without run id or digests; construct the Replica with "
                 "allow_legacy=True to apply it unverified",
@@ -436,6 +435,9 @@ class Replica:
             )
         if meta.source is not None and self.sources is not None:  # a bucket writer's choice
             self.sources.check(meta.source, {n: e.shape for n, e in meta.tensors.items()})
+        into = _staged_anchor(staged)
+        if meta.kind == "delta" and into is not None and isinstance(parsed, ParsedFile):
+            return self._stage_into(parsed, staged, into, sums, since, boxes)
         state = _state_after(self.sink.tensors(), staged)
         decoded = decode(parsed, base=state, boxes=boxes)
         # A delta with a full-state digest is verified by it in O(changed); whole-tensor hashes
@@ -454,6 +456,46 @@ class Replica:
             return file, sums, since, total(sums)
         _check_state(meta, total(sums), path)
         return file, sums, since, None
+
+    def _stage_into(
+        self,
+        parsed: ParsedFile,
+        staged: Sequence[StagedFile],
+        into: Mapping[str, torch.Tensor],
+        sums: Mapping[str, StateDigest] | None,
+        since: int,
+        boxes: Boxes | None,
+    ) -> tuple[StagedFile, Mapping[str, StateDigest] | None, int, StateDigest | None]:
+        """`_stage` for a delta staged after an anchor of the same update: the anchor's tensors
+        are the update's own (nothing serves them yet), so each tensor's changes are written
+        into them as soon as they are decoded and verified, then dropped; the reader holds one
+        tensor's changes at a time, not the delta's. A file that fails leaves the staged
+        tensors half written, and the whole update is refused with it."""
+        meta, path = parsed.meta, parsed.path
+        moved: dict[str, StateDigest] = {}
+        per_tensor = boxes is None and meta.state_digest is None  # protocol 1: tensor digests
+
+        def write(name: str, change: TensorChange) -> None:
+            if self.verify and sums is not None:
+                owned = change if boxes is None else box_change_sums({name: change}, boxes)
+                if isinstance(owned, TensorChange):
+                    moved[name] = change_sum(name, owned)
+                elif owned:
+                    moved[name] = change_sum(name, owned[name])
+            scatter(into[name], change.indices, change.values)
+            if self.verify and per_tensor:
+                _check_digest(name, into[name], meta.tensors[name].digest, path)
+
+        state = _state_after(self.sink.tensors(), staged)
+        decoded = decode(parsed, base=state, boxes=boxes, consume=write)
+        file = StagedFile(meta, path, decoded)  # its changes live in the anchor's tensors now
+        if not self.verify or sums is None:
+            return file, None, 0, None
+        after = {name: s + moved[name] if name in moved else s for name, s in sums.items()}
+        if boxes is not None:
+            return file, after, since + 1, total(after)
+        _check_state(meta, total(after), path)
+        return file, after, since + 1, None
 
     def _recompute(self) -> None:
         """Recompute the held state's digests and compare them with the running ones.
@@ -540,7 +582,8 @@ class Replica:
         manifest: bytes | None = None,
     ) -> list[int]:
         """Catch up with the bucket (bootstrap when empty), all or nothing; returns the versions
-        applied. `target` (default: the latest) may be older than the latest version.
+        applied. `target` (default: the latest) may be older than the latest version. A bucket
+        with no manifest is a `ChainError`: there is no version to hold.
 
         A driven sync names the file it was told of (`path`, which must be the manifest's for
         `target`): the next delta is then read beside the manifest, one round trip in all. A
@@ -557,7 +600,12 @@ class Replica:
             manifest=manifest,
         )
         if planned is None:
-            return []
+            raise ChainError(
+                f"{store.url} has no manifest: nothing was published there (a wrong path, or "
+                "a publisher that has not committed its first version yet)",
+                expected="manifest.json",
+                found=None,
+            )
         fetch = planned.fetch(bounded_by(self))
         return replay(store, planned.entries, self, streaming=False, fetch=fetch)
 
@@ -571,6 +619,23 @@ class Replica:
         for name, entry in meta.tensors.items():
             if entry.digest is not None:
                 _check_digest(name, tensors[name], entry.digest, None)
+
+
+def _staged_anchor(staged: Sequence[StagedFile]) -> Mapping[str, torch.Tensor] | None:
+    """The tensors of the last anchor staged in this update (its own, not yet served), which
+    the deltas staged after it are written into; None when the update has no anchor."""
+    anchors = [f for f in staged if f.meta.kind == "anchor"]
+    return anchors[-1].decoded.tensors if anchors else None
+
+
+def _parsed(
+    data: bytes | StoredFile, path: str | None, tensors: int | None
+) -> ParsedFile | StoredFile:
+    """A file read whole, parsed (its header bounded by `tensors`); a stored one (an anchor,
+    `manifest.fetch_entry`) was checked when its header was read."""
+    if isinstance(data, StoredFile):
+        return data
+    return ParsedFile.parse(data, path=path, tensors=tensors)
 
 
 def _check_chain(
@@ -605,6 +670,8 @@ def _check_chain(
             found=meta.base_version,
         )
     theirs = {n: e.shape for n, e in meta.tensors.items()}
+    if not theirs:
+        raise FormatError(f"the {meta.kind} names no tensors: no model is empty", path=path)
     if theirs != shapes and (shapes or meta.kind != "anchor"):  # any model fits an empty one
         diff = sorted(set(shapes.items()) ^ set(theirs.items()))[:5]
         raise FormatError(f"{meta.kind} is for another model: tensors differ {diff}", path=path)
@@ -644,9 +711,16 @@ def _check_whole_boxes(decoded: DecodedFile, boxes: Boxes, path: str | None) -> 
             _check_digest(name, tensor, decoded.meta.tensors[name].digest, path)
 
 
-def _check_digest(name: str, tensor: torch.Tensor, expected: str | None, path: str | None) -> None:
-    """A tensor's bytes must hash to its digest in the file (None: nothing to check)."""
-    if expected is not None and (found := tensor_digest(tensor)) != expected:
+def _check_digest(
+    name: str,
+    tensor: torch.Tensor,
+    expected: str | None,
+    path: str | None,
+    found: str | None = None,
+) -> None:
+    """A tensor's bytes must hash to its digest in the file (None: nothing to check); `found`:
+    their digest, when it was computed as they were read."""
+    if expected is not None and (found := found or tensor_digest(tensor)) != expected:
         raise DigestMismatch(name, expected, found, path=path)
 
 
@@ -664,7 +738,8 @@ def _after(
 
     def expect(name: str, tensor: torch.Tensor) -> None:
         if verify:
-            _check_digest(name, tensor, meta.tensors[name].digest, path)
+            found = decoded.digests.get(name)  # computed as an anchor's bytes were read
+            _check_digest(name, tensor, meta.tensors[name].digest, path, found)
 
     if meta.kind == "anchor":
         for name, tensor in decoded.tensors.items():

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -66,6 +69,8 @@ class Store:
         self.root = root.rstrip("/")
         self.url = url
         self.retry = retry or RetryPolicy()
+        self.bytes_read = 0  # object bytes this store has read (a reader's status shows them)
+        self._counting = threading.Lock()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -88,7 +93,11 @@ class Store:
             except Exception as exc:
                 raise StoreError(f"{what} failed: {type(exc).__name__}: {exc}", path=path) from exc
 
-        return self.retry.call(once, what=f"{what} {path}")
+        result = self.retry.call(once, what=f"{what} {path}")
+        if what in ("get", "get_range"):
+            with self._counting:
+                self.bytes_read += len(result)
+        return result
 
     def put(self, path: str, data: bytes) -> None:
         """Write a whole object (atomic for readers)."""
@@ -113,26 +122,46 @@ class Store:
             )
         return data
 
-    def get_sized(self, path: str, size: int) -> bytes:
+    def get_sized(self, path: str, size: int) -> bytes | bytearray:
         """An object expected to hold `size` bytes (a manifest entry's file), bounded as
         `get(limit=size)` is: a larger object is refused, a shorter one comes back short.
 
         A bucket caps each stream's bandwidth and charges each call a round trip, so an object
         over two `range_bytes` is read as ranges, `range_workers` at a time, each retried on
-        its own; the last range asks for one byte more than `size` to detect a larger object.
+        its own, straight into one buffer of `size` bytes (each range dropped once copied); the
+        last range asks for one byte more than `size` to detect a larger object.
         """
         if size < 0:
             raise StoreError(f"invalid size {size}", path=path)
         if self.range_workers < 2 or size < 2 * self.range_bytes:
             return self.get(path, limit=size)
         bounds = [*range(0, size, self.range_bytes), size + 1]
-        with ThreadPoolExecutor(min(self.range_workers, len(bounds) - 1)) as pool:
-            parts = list(pool.map(self.get_range, [path] * (len(bounds) - 1), bounds, bounds[1:]))
-        if len(parts[-1]) > size - bounds[-2]:
+        out = bytearray(size)
+        filled = 0
+        with ThreadPoolExecutor(self.range_workers) as pool:
+            reading: deque[tuple[int, Future[bytes]]] = deque()
+            for start, stop in itertools.pairwise(bounds):
+                if len(reading) == self.range_workers:
+                    filled = self._place(out, *reading.popleft(), filled, path)
+                reading.append((start, pool.submit(self.get_range, path, start, stop)))
+            while reading:
+                filled = self._place(out, *reading.popleft(), filled, path)
+        del out[filled:]  # a shorter object comes back short (no copy)
+        return out
+
+    def _place(
+        self, out: bytearray, start: int, read: Future[bytes], filled: int, path: str
+    ) -> int:
+        """Copy one range of `get_sized` into place; returns the bytes filled so far."""
+        data = read.result()
+        if start + len(data) > len(out):
             raise RefusedObject(
-                f"object is larger than the {size} bytes expected; not read", path=path
+                f"object is larger than the {len(out)} bytes expected; not read", path=path
             )
-        return b"".join(parts)
+        if filled != start:  # an earlier range came back short: the object ends there
+            return filled
+        out[start : start + len(data)] = data
+        return start + len(data)
 
     def _read(self, full: str, end: int | None) -> bytes:
         """One attempt at reading an object from its start, to `end` (None: the whole of it)."""
@@ -190,6 +219,16 @@ class Store:
         full = self._full(path)
         with contextlib.suppress(MissingFile):
             self._call("delete", path, self.fs.rm_file, full)
+
+    def abandoned_writes(self, older_than_s: float) -> dict[str, int]:
+        """Temporary files of writes that never finished (a writer killed mid-upload), untouched
+        for `older_than_s`, by path with their sizes. None here: an object store writes an
+        object in one PUT, and a PUT that never finished leaves nothing."""
+        return {}
+
+    def delete_abandoned(self, path: str) -> None:
+        """Remove one of `abandoned_writes`."""
+        raise StoreError("this store leaves no temporary files", path=path)
 
     def publish(self, path: str, data: bytes) -> None:
         """Atomically replace a small commit-point object, unconditionally."""

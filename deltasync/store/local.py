@@ -13,10 +13,12 @@ from pathlib import Path
 from fsspec.implementations.local import LocalFileSystem
 
 from deltasync.errors import StoreError
-from deltasync.store.base import RefusedObject, Store
+from deltasync.store.base import RefusedObject, Store, validate_path
 from deltasync.store.retry import RetryPolicy
 
 __all__ = ["LocalStore", "current_umask"]
+
+_TEMPORARY = ".tmp-"  # a write in progress: `LocalStore._write`'s temporary file
 
 
 def current_umask() -> int:
@@ -57,7 +59,7 @@ class LocalStore(Store):
     def _write(self, full: str, data: bytes) -> None:
         target = Path(full)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=_TEMPORARY, dir=target.parent)
         try:
             # as readable as any file the user writes: a replica or dashboard running as another
             # user (a container's uid 1000) reads the bucket folder too
@@ -139,3 +141,30 @@ class LocalStore(Store):
     def list(self, prefix: str = "") -> list[str]:
         """Objects only: temporary files of writes in progress and lock files are hidden."""
         return [p for p in super().list(prefix) if not Path(p).name.startswith(".")]
+
+    def abandoned_writes(self, older_than_s: float) -> dict[str, int]:
+        """Temporary files of `_write` (never symlinks) not modified for `older_than_s`: a write
+        in progress touches its file as it goes, one killed before its rename does not."""
+        cutoff = time.time() - older_than_s
+        found = {}
+        for folder, _, names in os.walk(self.root):  # does not follow symlinked folders
+            for name in names:
+                if not name.startswith(_TEMPORARY):
+                    continue
+                full = os.path.join(folder, name)
+                try:
+                    info = os.lstat(full)
+                except FileNotFoundError:  # renamed into place (or removed) since it was listed
+                    continue
+                if stat.S_ISREG(info.st_mode) and info.st_mtime < cutoff:
+                    found[os.path.relpath(full, self.root)] = info.st_size
+        return dict(sorted(found.items()))
+
+    def delete_abandoned(self, path: str) -> None:
+        folder, _, name = path.rpartition("/")
+        if not name.startswith(_TEMPORARY) or "/" in name or not validate_path(name[1:]):
+            raise StoreError("not a temporary file of a write", path=path)
+        parent = Path(self._full(folder)) if folder else Path(self.root)
+        if os.path.realpath(parent) != os.path.normpath(parent):
+            raise StoreError("not inside the bucket (a symlink on the way)", path=path)
+        (parent / name).unlink(missing_ok=True)

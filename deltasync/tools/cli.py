@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import fsspec
@@ -40,7 +40,7 @@ from deltasync.errors import (
 )
 from deltasync.replica.replay import replay
 from deltasync.store import Store, open_store
-from deltasync.wire.garbage import find_unreferenced
+from deltasync.wire.garbage import find_abandoned, find_unreferenced, remove_paths
 from deltasync.wire.manifest import ChainEntry, Manifest, fetch_entry, read_manifest
 
 __all__ = ["main"]
@@ -110,11 +110,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    """Replay every retained file from the oldest anchor; check each anchor against the replay
-    and, at the end, the whole replayed state against its full-state digest and the last file's
-    per-tensor digests."""
+    """Replay every retained file from the oldest anchor; check every byte of each later anchor
+    against the replay (streamed, never held beside it) and, at the end, the whole replayed
+    state against its full-state digest and the last file's per-tensor digests."""
     Replica = import_tensor_side("deltasync.replica.replica").Replica
     full_state_digest = import_tensor_side("deltasync.kernels.state_hash").full_state_digest
+    compare_anchor = import_tensor_side("deltasync.codec.anchors").compare_anchor
 
     store, manifest = _published(args.bucket)
     oldest, *later_anchors = sorted(manifest.anchors, key=lambda a: a.version)
@@ -123,16 +124,28 @@ def _verify(args: argparse.Namespace) -> int:
     checked = []
 
     def check_anchor(delta: ChainEntry) -> None:  # every retained anchor against the replay
-        if delta.version in anchors:
-            _check_against(replica, fetch_entry(store, anchors[delta.version]))
-            checked.append(delta.version)
+        if delta.version not in anchors:
+            return
+        found = fetch_entry(store, anchors[delta.version], shapes=replica.sink.shapes())
+        for file in found if isinstance(found, tuple) else (found,):
+            part = file.meta.part
+            compare_anchor(file, replica.tensors, rows=part.rows if part else None)
+        checked.append(delta.version)
 
     chain = [oldest, *manifest.deltas_after(oldest.version)]
-    bar = tqdm(chain, desc="verify", unit="version", disable=args.quiet)
-    replay(store, bar, replica, after=check_anchor)
+    # up to the next retained anchor, one update: each delta written into the anchor's tensors
+    # as it decodes (one state held); from there one file at a time, checked at each anchor
+    first = next((i for i, e in enumerate(chain) if e.version in anchors), len(chain) - 1) + 1
+    bar = tqdm(total=len(chain), desc="verify", unit="version", disable=args.quiet)
+    replay(store, _counted(chain[:first], bar), replica, streaming=False)
+    check_anchor(chain[first - 1])
+    replay(store, _counted(chain[first:], bar), replica, after=check_anchor)
+    bar.close()
     last = chain[-1]
     if last.kind == "delta" and last.version not in checked:
-        _check_against(replica, fetch_entry(store, last))
+        data = fetch_entry(store, last)
+        if isinstance(data, bytes):  # a sharded delta's digest was checked when it was applied
+            replica.check_digests(read_metadata(lambda a, b: data[a:b], len(data))[0])
     recomputed = full_state_digest(replica.tensors)
     if replica.state_digest != recomputed:
         raise FormatError(
@@ -148,63 +161,61 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_against(replica, data: bytes | tuple[bytes, ...]) -> None:
-    """The replayed state against a file's per-tensor digests (xxh3 of every tensor); a sharded
-    anchor, whose parts carry none, is joined and compared with the replay bit for bit (a
-    sharded delta has nothing more to compare: its full-state digest was checked on apply)."""
-    if isinstance(data, tuple):  # a sharded delta's digest was checked when it was applied
-        if read_metadata(lambda a, b: data[0][a:b], len(data[0]))[0].kind == "delta":
-            return
-        import torch
-
-        anchor = type(replica)()
-        anchor.update(data)
-        for name, tensor in anchor.tensors.items():
-            if not torch.equal(tensor.view(torch.int16), replica.tensors[name].view(torch.int16)):
-                raise FormatError(
-                    f"sharded anchor {anchor.version} differs from the replay in {name}"
-                )
-        return
-    meta, _ = read_metadata(lambda a, b: data[a:b], len(data))
-    replica.check_digests(meta)
+def _counted(entries: list[ChainEntry], bar: tqdm) -> Iterator[ChainEntry]:
+    for entry in entries:
+        yield entry
+        bar.update()
 
 
 def _replay(args: argparse.Namespace) -> int:
-    encode_anchor = import_tensor_side("deltasync.codec.files").encode_anchor
+    anchor_metadata = import_tensor_side("deltasync.codec.files").anchor_metadata
     Replica = import_tensor_side("deltasync.replica.replica").Replica
+    write_safetensors = import_tensor_side("deltasync.tools.export.weights").write_safetensors
 
     store, manifest = _published(args.bucket)
     version = manifest.latest_version if args.version is None else args.version
     plan = manifest.plan(None, None, version)
     replica = Replica()
-    replay(store, tqdm(plan, desc="replay", unit="file", disable=args.quiet), replica)
+    bar = tqdm(plan, desc="replay", unit="file", disable=args.quiet)
+    replay(store, bar, replica, streaming=False)  # deltas written into the anchor's tensors
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    data = encode_anchor(replica.tensors, run_id=manifest.run_id, version=version)
-    (out / "model.safetensors").write_bytes(data)
+    metadata = anchor_metadata(
+        replica.tensors, run_id=manifest.run_id, version=version, state_digest=replica.state_digest
+    )
+    path = out / "model.safetensors"
+    write_safetensors(replica.tensors, path, metadata=metadata)  # from the tensors, not a copy
     print(
-        f"wrote {out / 'model.safetensors'} (run {manifest.run_id}, version {version}, "
-        f"{len(data) / 1e6:.1f} MB)"
+        f"wrote {path} (run {manifest.run_id}, version {version}, "
+        f"{path.stat().st_size / 1e6:.1f} MB)"
     )
     return 0
 
 
 def _gc(args: argparse.Namespace) -> int:
-    """List (and with --delete remove) the chain files no manifest names."""
+    """List (and with --delete remove) the chain files no manifest names, and uploads a killed
+    writer left unfinished over an hour ago."""
     store = _existing_bucket(args.bucket)
     manifest = read_manifest(store)
     garbage = find_unreferenced(store, manifest)
     sizes = {path: store.size(path) for path in garbage}
-    for path, size in sizes.items():
+    abandoned = find_abandoned(store)
+    for path, size in (sizes | abandoned).items():
         print(f"{size:>14,d}  {path}")
-    total = f"{len(garbage)} unreferenced files, {sum(sizes.values()) / 1e6:.1f} MB"
+    count, megabytes = len(sizes) + len(abandoned), sum((sizes | abandoned).values()) / 1e6
+    total = f"{count} unreferenced files, {megabytes:.1f} MB"
+    if abandoned:
+        total += f" ({len(abandoned)} of them uploads never finished)"
     if manifest is None and garbage:
         total += " (the bucket has no manifest: every chain file counts)"
     if not args.delete:
         print(f"{total}; dry run: pass --delete to remove them")
         return 0
-    for path in tqdm(garbage, desc="deleting", disable=args.quiet or not garbage):
-        store.delete(path)
+    paths = tqdm(garbage, desc="deleting", disable=args.quiet or not garbage)
+    removed = remove_paths(store, list(paths), list(abandoned))
+    if len(removed) < count:
+        print(f"removed {len(removed)} of {total}; the rest could not be removed (logged)")
+        return 1
     print(f"removed {total}")
     return 0
 

@@ -37,7 +37,6 @@ from deltasync.codec.virtual import SourcePolicy
 from deltasync.errors import DeltaSyncError, DigestMismatch, FormatError
 from deltasync.kernels.boxes import Boxes, check_cover
 from deltasync.replica.driven import plan_sync
-from deltasync.replica.ranged import fetch_boxes
 from deltasync.replica.replay import fetch_all
 from deltasync.replica.replica import Replica, Shapes, StagedUpdate
 from deltasync.store import Store, open_store
@@ -207,9 +206,8 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         )
         if planned is None:
             raise FormatError(f"bucket {store.url} has no manifest yet")
+        # an anchor is read in pieces as it is decoded: a worker holding boxes reads theirs only
         fetch = functools.partial(fetch_entry, shapes=shapes)
-        if self.tp_size > 1:  # anchors: only the bytes of this worker's boxes
-            fetch = functools.partial(fetch_boxes, boxes_of=state.sink.boxes, shapes=shapes)
         entries = planned.entries
         update = state.stage(fetch_all(store, entries, planned.fetch(fetch)))
         size = sum(e.bytes for e in entries)
@@ -369,6 +367,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             "state_digest": digest and digest.hex(),  # of the held version, as its files promised
             "staging": staging,
             "busy": busy,  # staging or a share pass runs (the sync route pauses once none does)
+            "bytes_read": None if self.store is None else self.store.bytes_read,  # this worker's
             "last_update": self.last_update,
         }
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from deltasync.errors import Fenced, FormatError, PublishError, StoreError
 from deltasync.store import Conflict, Store
-from deltasync.wire.garbage import find_unreferenced, remove_paths
+from deltasync.wire.garbage import find_abandoned, find_unreferenced, remove_paths
 from deltasync.wire.manifest import MANIFEST_PATH, Manifest, read_manifest, read_manifest_bytes
 
 __all__ = ["RunOwner"]
@@ -154,12 +154,14 @@ class RunOwner:
 
     def _take_over(self, manifest: Manifest) -> None:
         """Commit the bucket's manifest again under our epoch (fencing any older publisher),
-        then remove files of versions its publishers never committed.
+        then remove files of versions its publishers never committed, and uploads a killed
+        writer left unfinished (`garbage.find_abandoned`).
 
         The files are listed before the swap: whatever is uploaded after it belongs to a newer
         owner, which may commit it before this removal runs. They are removed only while the
         manifest is still ours; else they are left for `gc`."""
         doomed = find_unreferenced(self.store, manifest, run_id=manifest.run_id, in_flight=True)
+        abandoned = list(find_abandoned(self.store))
         taken = manifest.committed_after(self._expected, self.epoch)
         data = taken.to_json()
         try:
@@ -170,7 +172,7 @@ class RunOwner:
                 "took it over (another publisher committed); try --takeover again"
             ) from None
         self._expected = data
-        if not doomed:
+        if not doomed and not abandoned:
             return
         try:
             still_ours = read_manifest_bytes(self.store) == data
@@ -178,7 +180,7 @@ class RunOwner:
             log.warning("left %d files of uncommitted attempts for gc: %s", len(doomed), exc)
             return
         if still_ours:
-            removed = remove_paths(self.store, doomed)
+            removed = remove_paths(self.store, doomed, abandoned)
             log.info("removed %d files of uncommitted attempts: %s", len(removed), removed[:3])
 
     def _fenced_message(self, version: int) -> str:

@@ -1,18 +1,23 @@
-"""Garbage: chain files no manifest names (failed, fenced or killed attempts, replaced runs).
+"""Garbage: chain files no manifest names (failed, fenced or killed attempts, replaced runs), and
+temporary files of uploads a killed writer never finished (a folder bucket's).
 
-Only anchors, deltas and their parts are ever candidates; metrics records, leases, replica records
-and anything else in the bucket are never touched.
+Only anchors, deltas and their parts, and a store's own temporary files untouched for
+`ABANDONED_AFTER_S`, are ever candidates; metrics records, leases, replica records and anything
+else in the bucket are never touched.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 
 from deltasync.store import Store
 from deltasync.wire.manifest import Manifest
 
-__all__ = ["find_unreferenced", "remove_paths"]
+__all__ = ["ABANDONED_AFTER_S", "find_abandoned", "find_unreferenced", "remove_paths"]
+
+ABANDONED_AFTER_S = 3600.0  # a temporary file untouched this long belongs to no live upload
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +48,20 @@ def find_unreferenced(
     return found
 
 
-def remove_paths(store: Store, paths: list[str]) -> list[str]:
-    """Delete `paths`, best effort (what fails is left for `gc`); returns what was deleted."""
+def find_abandoned(store: Store, older_than_s: float = ABANDONED_AFTER_S) -> dict[str, int]:
+    """Temporary files of uploads never finished, untouched for `older_than_s`, with sizes."""
+    return store.abandoned_writes(older_than_s)
+
+
+def remove_paths(store: Store, paths: list[str], abandoned: Sequence[str] = ()) -> list[str]:
+    """Delete `paths` and the `abandoned` temporary files, best effort (what fails is left for
+    `gc`); returns what was deleted."""
     removed = []
-    for path in paths:
+    deletions = [(p, store.delete) for p in paths]
+    deletions += [(p, store.delete_abandoned) for p in abandoned]
+    for path, delete in deletions:
         try:
-            store.delete(path)
+            delete(path)
         except Exception as exc:  # best effort: `gc` finds it again
             log.warning("could not remove %s: %s", path, exc)
         else:

@@ -15,7 +15,15 @@ from deltasync.store import MissingFile, RefusedObject, Store, validate_path
 from deltasync.wire.digests import StateDigest, bytes_digest, total
 from deltasync.wire.fields import is_int, keys_exactly
 from deltasync.wire.header import header_budget
-from deltasync.wire.metadata import MAX_PARTS, PROTOCOL, ParsedFile, check_protocol, validate_run_id
+from deltasync.wire.metadata import (
+    MAX_PARTS,
+    PROTOCOL,
+    FileMetadata,
+    ParsedFile,
+    check_protocol,
+    validate_run_id,
+)
+from deltasync.wire.stored import StoredFile
 
 __all__ = [
     "MANIFEST_PATH",
@@ -25,11 +33,13 @@ __all__ = [
     "PartRef",
     "check_declared_size",
     "check_file",
+    "check_promise",
     "fetch_entry",
     "fetch_file",
     "file_path",
     "largest_file",
     "metrics_path",
+    "open_stored",
     "read_manifest",
     "read_manifest_bytes",
 ]
@@ -40,7 +50,8 @@ _FENCING = ("epoch", "previous")  # manifest keys since protocol 5
 _BEFORE_FENCING = ("deltasync/1", "deltasync/2", "deltasync/3", "deltasync/4")
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 MANIFEST_PROBE_BYTES = 1024 * 1024  # a manifest this small is read in one round trip
-FileData = bytes | tuple[bytes, ...]  # one file, or the parts of a sharded version in order
+# one file, or the parts of a sharded version in order; an anchor's files are `StoredFile`s
+FileData = bytes | StoredFile | tuple[bytes | StoredFile, ...]
 
 
 def file_path(
@@ -488,43 +499,79 @@ def check_declared_size(
 def fetch_entry(
     store: Store, entry: ChainEntry, *, shapes: Mapping[str, tuple[int, ...]] | None = None
 ) -> FileData:
-    """Download a manifest entry (every part of a sharded version, in order) and check each
-    file's size and whole-file digest before parsing, then that its header promises the
-    entry's full-state digest (a part: its share). `shapes`: the reader's model, when it knows
-    it; it bounds each file's declared size before the read and each header before its JSON
-    is parsed."""
+    """A manifest entry's files (every part of a sharded version, in order), each checked
+    against the manifest before its tensors are read: its declared size against the reader's
+    model (`shapes`, when it knows it; the model also bounds each header before its JSON is
+    parsed), then a header that is a valid safetensors header of this entry's kind and encoding
+    promising the entry's full-state digest (a part: its share).
+
+    An anchor is as large as the model: it comes back as a `StoredFile` (its header read and
+    checked, its bytes read later in pieces, with its size and digest checked as they pass).
+    A delta (or a virtual anchor, a header alone) is read whole, its size and digest checked
+    before it is parsed."""
     for file in entry.files:  # every part before the first byte of any
         check_declared_size(entry, file, shapes)
     tensors = len(shapes) if shapes else None
-    found = tuple(fetch_file(store, file, tensors=tensors) for file in entry.files)
+    if entry.kind == "anchor" and entry.encoding != "virtual":
+        found: tuple[bytes | StoredFile, ...] = tuple(
+            open_stored(store, file, entry, tensors=tensors) for file in entry.files
+        )
+    else:
+        found = tuple(fetch_file(store, file, tensors=tensors, entry=entry) for file in entry.files)
     return found[0] if entry.parts is None else found
 
 
-def fetch_file(store: Store, file: PartRef, *, tensors: int | None = None) -> bytes:
-    """One stored file of a version (a whole file or one part), checked as `fetch_entry` does
-    (the declared size is the caller's to bound: `check_declared_size`)."""
+def open_stored(
+    store: Store, file: PartRef, entry: ChainEntry | None = None, *, tensors: int | None = None
+) -> StoredFile:
+    """One stored file of a version, its header read and checked as `fetch_entry` does; its
+    bytes are read as the reader consumes them (`StoredFile.stream`)."""
+    stored = StoredFile.open(store, file.path, file.bytes, file.digest, tensors=tensors)
+    check_promise(file, stored.meta, entry)
+    return stored
+
+
+def fetch_file(
+    store: Store, file: PartRef, *, tensors: int | None = None, entry: ChainEntry | None = None
+) -> bytes:
+    """One stored file of a version (a whole file or one part), read whole and checked as
+    `fetch_entry` does (the declared size is the caller's to bound: `check_declared_size`)."""
     try:  # never reads past the declared size (+1); a large file as parallel ranges
         data = store.get_sized(file.path, file.bytes)
     except RefusedObject as exc:
         raise FormatError(f"file does not match the manifest: {exc}", path=file.path) from None
-    return check_file(file, data, tensors=tensors)
+    return check_file(file, data, tensors=tensors, entry=entry)
 
 
-def check_file(file: PartRef, data: bytes, *, tensors: int | None = None) -> bytes:
+def check_file(
+    file: PartRef, data: bytes, *, tensors: int | None = None, entry: ChainEntry | None = None
+) -> bytes:
     """`data` if it is `file` as the manifest describes it: its size, its whole-file xxh3-128,
-    then a header (bounded by `tensors`, the reader's tensor count) that promises the
-    manifest's full-state digest. The one check of a file's bytes, however they were read
-    (`fetch_file`, or a driven sync's read begun before the manifest's, `replica.driven`)."""
+    then a header (bounded by `tensors`, the reader's tensor count) that keeps the manifest's
+    promises (`check_promise`). The one check of a file's bytes read whole, however they were
+    read (`fetch_file`, or a driven sync's read begun before the manifest's, `replica.driven`)."""
     if len(data) != file.bytes or bytes_digest(data) != file.digest:
         raise FormatError(
             f"file does not match the manifest ({len(data)} bytes, expected "
             f"{file.bytes}, or digest differs)",
             path=file.path,
         )
-    found = ParsedFile.parse(data, path=file.path, tensors=tensors).meta.state_digest
+    check_promise(file, ParsedFile.parse(data, path=file.path, tensors=tensors).meta, entry)
+    return data
+
+
+def check_promise(file: PartRef, meta: FileMetadata, entry: ChainEntry | None = None) -> None:
+    """A file's header must say what the manifest says of it: the full-state digest (a part:
+    its share) and, given its `entry`, the entry's kind and encoding."""
+    found = meta.state_digest
     if (found and found.hex()) != file.state_digest:
         raise FormatError(
             f"file's state digest {found} differs from the manifest's {file.state_digest}",
             path=file.path,
         )
-    return data
+    if entry is not None and (meta.kind, meta.encoding) != (entry.kind, entry.encoding):
+        raise FormatError(
+            f"the file is a {meta.kind} encoded {meta.encoding!r}, the manifest says a "
+            f"{entry.kind} encoded {entry.encoding!r}",
+            path=file.path,
+        )

@@ -7,7 +7,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 from deltasync.errors import FormatError
 from deltasync.wire.digests import ALGORITHM as STATE_DIGEST_ALGORITHM
@@ -23,6 +23,7 @@ __all__ = [
     "PROTOCOL",
     "READABLE_PROTOCOLS",
     "FileMetadata",
+    "HeadedFile",
     "ParsedFile",
     "ParsedParts",
     "PartInfo",
@@ -427,6 +428,15 @@ def check_tiling(
             raise FormatError(f"parts' rows {edges} do not tile dim 0 of {shape}", tensor=name)
 
 
+class HeadedFile(Protocol):
+    """A file whose header was parsed and checked: one read whole (`ParsedFile`) or one read
+    in pieces as it is consumed (`wire.stored.StoredFile`)."""
+
+    header: SafetensorsHeader
+    meta: FileMetadata
+    path: str | None
+
+
 @dataclass(frozen=True)
 class ParsedParts:
     """The part files of one sharded version, checked to fit together.
@@ -436,12 +446,12 @@ class ParsedParts:
     added up into the version's. `path` labels the version in errors.
     """
 
-    parts: tuple[ParsedFile, ...]
+    parts: tuple[HeadedFile, ...]
     meta: FileMetadata
     path: str | None = None
 
     @classmethod
-    def of(cls, parts: Sequence[ParsedFile], *, path: str | None = None) -> ParsedParts:
+    def of(cls, parts: Sequence[HeadedFile], *, path: str | None = None) -> ParsedParts:
         """Check that `parts` are every part of one version, in index order, and that their
         rows tile every tensor; raises `FormatError` naming what does not fit."""
         path = path or (parts[0].path if parts else None)

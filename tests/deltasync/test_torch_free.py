@@ -83,16 +83,25 @@ def test_manifest_plan_and_file_checks():
         code=f"""
         from deltasync import open_store, read_manifest
         from deltasync.codec import ParsedFile
-        from deltasync.wire.manifest import fetch_entry
+        from deltasync.wire.manifest import fetch_entry, fetch_file
 
         store = open_store({str(BUCKET)!r})
         manifest = read_manifest(store)
         plan = manifest.plan(None, None)
         print([(e.kind, e.version) for e in plan])
-        print([ParsedFile.parse(fetch_entry(store, e)).meta.version for e in plan])
+        print([ParsedFile.parse(fetch_file(store, e.files[0])).meta.version for e in plan])
+        stored = fetch_entry(store, plan[0])  # an anchor: its header read, its bytes in pieces
+        print(stored.meta.version, sum(len(data) for _, data in stored.stream()))
         """
     )
-    assert done.stdout.split("\n")[:2] == ["[('anchor', 4)]", "[4]"]
+    lines = done.stdout.split("\n")[:3]
+    assert lines[:2] == ["[('anchor', 4)]", "[4]"]
+    assert lines[2] == f"4 {read_manifest_entry_bytes()}"
+
+
+def read_manifest_entry_bytes() -> int:
+    manifest = json.loads((BUCKET / "manifest.json").read_text())
+    return max(manifest["anchors"], key=lambda a: a["version"])["bytes"]
 
 
 def test_serve_launcher_parent_logic():

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable
+import struct
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import safetensors.torch
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
@@ -23,7 +23,7 @@ from deltasync.store import Store
 from deltasync.tools.export.model_files import ModelFiles
 from deltasync.wire.manifest import ChainEntry, Manifest
 
-__all__ = ["check_fits", "model_card", "replay", "write_model"]
+__all__ = ["check_fits", "model_card", "replay", "write_model", "write_safetensors"]
 
 MAX_SHARD = "5GB"  # as `save_pretrained`; the Hub takes files up to 50 GB
 
@@ -36,7 +36,7 @@ def replay(
     checked against the manifest's. None for a protocol 1 version, which has no such digest
     (its files' per-tensor digests were checked instead)."""
     replica = Replica()
-    replay_chain(store, plan, replica)
+    replay_chain(store, plan, replica, streaming=False)  # deltas written into the anchor's tensors
     tensors = dict(replica.tensors)
     expected = manifest.version_digest(version)
     if expected is None:
@@ -105,6 +105,34 @@ def model_card(run_id: str, version: int, digest: str | None, files: ModelFiles)
     )
 
 
+_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor], path: Path, *, metadata: Mapping[str, str]
+) -> None:
+    """A safetensors file written tensor by tensor straight from the tensors' memory: nothing
+    of it is held beside them (`safetensors.torch.save_file` assembles the whole file in memory
+    first, a second copy of a shard of up to `MAX_SHARD`)."""
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name in sorted(tensors):
+            f.write(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
 def write_model(
     tensors: dict[str, torch.Tensor],
     files: ModelFiles,
@@ -118,7 +146,7 @@ def write_model(
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         shard = {name: tensors[name] for name in names}
-        safetensors.torch.save_file(shard, str(folder / filename), metadata={"format": "pt"})
+        write_safetensors(shard, folder / filename, metadata={"format": "pt"})
     written = list(split.filename_to_tensors)
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}

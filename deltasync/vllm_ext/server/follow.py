@@ -298,6 +298,7 @@ class Follower:
         self._handled = key
         self._recheck_at = time.monotonic() + self.config.max_backoff_s
         message = f"{why}; keeping version {self.served_version} until the bucket moves on"
+        self.last_error, self.last_error_kind, self.last_error_at = message, kind, time.time()
         self._note("ignoring", kind, message, logging.WARNING)
 
     def _failed(self, failed: _Failed) -> float:

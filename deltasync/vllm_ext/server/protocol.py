@@ -186,7 +186,8 @@ def parse_message(cls: type, raw: Any, what: str) -> Any:
 def merge_statuses(results: list[Any]) -> dict[str, Any]:
     """One `deltasync_status` from every worker's: the first worker's, with `staging` and `busy`
     merged (tensor-parallel workers stage in parallel: a version is ready once every worker has
-    it ready, failed once one failed; busy while one still stages). Raises FormatError when a
+    it ready, failed once one failed; busy while one still stages) and `bytes_read` listing
+    what each worker read from the bucket. Raises FormatError when a
     worker sent no status or the workers disagree on the run, version or digest they hold."""
     if not results or not all(
         isinstance(r, dict) and isinstance(r.get("staging"), dict) for r in results
@@ -203,4 +204,6 @@ def merge_statuses(results: list[Any]) -> dict[str, Any]:
             (s for s in states if s.startswith("failed")),
             next((s for s in states if s != "ready"), "ready"),
         )
-    return first | {"staging": staging, "busy": any(r.get("busy") for r in results)}
+    busy = any(r.get("busy") for r in results)
+    read = [r.get("bytes_read") for r in results]  # each worker reads its own boxes
+    return first | {"staging": staging, "busy": busy, "bytes_read": read}

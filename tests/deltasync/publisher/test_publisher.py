@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 
 import pytest
 import torch
 from model_steps import AdamWLoop, tiny_qwen3
 
-from deltasync.errors import PublishError, StoreError
+from deltasync.codec import encode_anchor
+from deltasync.errors import FormatError, PublishError, StoreError
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.replica.replica import Replica
@@ -124,6 +127,20 @@ def test_restart_resumes_the_run_from_the_manifest(tmp_path):
     replica = Replica()
     replica.sync(LocalStore(tmp_path))
     assert _equal(replica, model)
+
+
+def test_a_takeover_removes_uploads_a_killed_publisher_left(tmp_path):
+    model = tiny_qwen3()
+    with Publisher(LocalStore(tmp_path), _config()) as publisher:
+        publisher.publish(model).result(timeout=30)
+    deltas = tmp_path / "runs" / "run" / "deltas"
+    deltas.mkdir(parents=True, exist_ok=True)
+    killed = deltas / ".tmp-killed"
+    killed.write_bytes(b"x" * 100)
+    os.utime(killed, (time.time() - 7200, time.time() - 7200))
+    with Publisher(LocalStore(tmp_path), _config(takeover=True)) as restarted:
+        restarted.publish(model).result(timeout=30)
+    assert not killed.exists()
 
 
 def test_new_run_starts_over_and_old_readers_refuse_its_deltas(tmp_path):
@@ -299,3 +316,19 @@ def test_retention_leaves_the_files_to_an_owner_that_took_the_run_over(tmp_path,
     with pytest.raises(PublishError):  # fenced at its next commit
         publisher.publish(states[2]).result(timeout=30)
     publisher.close(timeout=30)
+
+
+def test_an_empty_model_is_neither_published_nor_read(tmp_path):
+    """A model with no tensors is a mistake upstream (a state dict not built yet): the
+    publisher refuses it before writing anything, and a reader refuses such a file."""
+    store = LocalStore(str(tmp_path))
+    publisher = Publisher(store, PublisherConfig(run_id="r"))
+    with pytest.raises(PublishError, match="no tensors to publish"):
+        publisher.publish({})
+    publisher.close()
+    assert store.list() == []
+    empty = encode_anchor({}, run_id="r", version=1)
+    replica = Replica()
+    with pytest.raises(FormatError, match="names no tensors"):
+        replica.update(empty)
+    assert replica.version is None

@@ -4,6 +4,7 @@ full recompute that catches bytes changed in memory without a delta."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import safetensors.torch
@@ -11,11 +12,11 @@ import torch
 
 from deltasync import open_store, read_manifest
 from deltasync.codec import ParsedFile
-from deltasync.errors import DigestMismatch
+from deltasync.errors import ChainError, DigestMismatch, FormatError
 from deltasync.kernels.state_hash import full_state_digest
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.replica.replica import Replica
-from deltasync.wire.manifest import fetch_entry
+from deltasync.wire.manifest import fetch_entry, fetch_file
 from deltasync.wire.policy import AnchorPolicy
 
 FROZEN = "layer.norm.weight"  # never touched by a delta in these runs
@@ -131,7 +132,7 @@ def test_a_file_promising_another_state_digest_is_refused_and_nothing_changes(bu
 
 def test_anchor_whose_state_digest_disagrees_with_its_tensors_is_refused(bucket):
     store, _ = bucket
-    data = fetch_entry(store, _entry(store, 1))
+    data = fetch_file(store, _entry(store, 1).files[0])
     tensors = safetensors.torch.load(data)
     metadata = ParsedFile.parse(data).header.metadata
     tensor_entries = json.loads(metadata["tensors"])  # per-tensor digests stay right
@@ -143,3 +144,30 @@ def test_anchor_whose_state_digest_disagrees_with_its_tensors_is_refused(bucket)
     with pytest.raises(DigestMismatch, match="full-state digest"):
         replica.update(forged)
     assert replica.version is None and replica.state_digest is None
+
+
+def test_a_bucket_with_no_manifest_is_no_version(tmp_path):
+    """A wrong path (open_store makes the folder) or a bucket nothing was published to: the
+    sync says so instead of leaving an empty state that looks synced."""
+    replica = Replica()
+    with pytest.raises(ChainError, match="has no manifest: nothing was published there"):
+        replica.sync(open_store(str(tmp_path / "no-such-bucket")))
+    assert replica.version is None and replica.tensors == {}
+
+
+@pytest.mark.parametrize("kind", ["anchor", "delta"])
+def test_a_manifest_entry_must_name_its_files_encoding(bucket, tmp_path, kind):
+    """The manifest says how a file is encoded; a file that says otherwise is refused before
+    it is decoded, naming both."""
+    store, _ = bucket
+    folder = tmp_path / "b"
+    shutil.copytree(store.root, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    entries = manifest["anchors" if kind == "anchor" else "deltas"]
+    other = "ans" if entries[-1]["encoding"] != "ans" else "packed"
+    entries[-1]["encoding"] = "virtual" if kind == "anchor" else other
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    found = read_manifest(open_store(str(folder)))
+    entry = (found.anchors if kind == "anchor" else found.deltas)[-1]
+    with pytest.raises(FormatError, match="the manifest says a"):
+        fetch_entry(open_store(str(folder)), entry)

@@ -17,11 +17,10 @@ from deltasync.errors import DigestMismatch, FormatError
 from deltasync.kernels.boxes import Box, check_cover
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
-from deltasync.replica.ranged import fetch_boxes
 from deltasync.replica.replica import DictSink, Replica
 from deltasync.store import LocalStore
 from deltasync.wire.digests import total
-from deltasync.wire.manifest import fetch_entry, read_manifest
+from deltasync.wire.manifest import fetch_entry, fetch_file, read_manifest
 from deltasync.wire.policy import AnchorPolicy
 
 FIXTURES_1 = Path(__file__).parents[2] / "fixtures" / "protocol-1"
@@ -51,14 +50,15 @@ def workers(size: int = 2) -> list[Replica]:
     return [Replica(DictSink(tp_boxes(rank, size))) for rank in range(size)]
 
 
-def sync_all(replicas: list[Replica], store, target=None, *, ranged=False) -> list[int]:
-    """What the engines do: each worker prepares alone, then they exchange digest shares."""
+def sync_all(replicas: list[Replica], store, target=None, *, whole=False) -> list[int]:
+    """What the engines do: each worker prepares alone, then they exchange digest shares.
+    `whole`: every file read whole first (else an anchor's boxes are read by byte range)."""
     manifest = read_manifest(store)
     prepared = []
     for replica in replicas:
         plan = manifest.plan(replica.run_id, replica.version, target)
-        if ranged:
-            files = [(fetch_boxes(store, e, replica.sink.boxes), e.label) for e in plan]
+        if whole:
+            files = [(_whole(store, e), e.label) for e in plan]
         else:
             files = [(fetch_entry(store, e), e.label) for e in plan]
         prepared.append(replica.stage(files))
@@ -157,6 +157,11 @@ def test_slices_that_miss_or_overlap_are_refused():
         Box((4, 6), (0, 5))
 
 
+def _whole(store, entry):
+    found = tuple(fetch_file(store, f) for f in entry.files)
+    return found[0] if entry.parts is None else found
+
+
 def test_a_protocol_1_file_is_refused_by_a_sliced_replica():
     """Protocol 1 files carry no full-state digest, so no slice of them can be verified."""
     store = LocalStore(str(FIXTURES_1 / "bucket-packed"))
@@ -167,9 +172,9 @@ def test_a_protocol_1_file_is_refused_by_a_sliced_replica():
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["whole", "parts"])
 def test_workers_read_only_their_slices_of_an_anchor(tmp_path, sharded, monkeypatch):
-    monkeypatch.setattr(
-        "deltasync.replica.ranged.MERGE_GAP", 0
-    )  # the tiny model's tensors are close
+    # the tiny model's tensors are close, and its anchor smaller than the head read with its header
+    monkeypatch.setattr("deltasync.wire.stored.MERGE_GAP", 0)
+    monkeypatch.setattr("deltasync.wire.stored.HEAD_BYTES", 4096)
     if sharded:
         states = write_sharded_bucket(tmp_path, versions=3)
         expected, shapes = states[-1], SHAPES
@@ -184,9 +189,9 @@ def test_workers_read_only_their_slices_of_an_anchor(tmp_path, sharded, monkeypa
     anchor = read_manifest(store).anchors[0]
     store.read = 0
     ranged, whole = workers(), workers()
-    sync_all(ranged, store, ranged=True)
+    sync_all(ranged, store)
     read_ranged, store.read = store.read, 0
-    sync_all(whole, store)
+    sync_all(whole, store, whole=True)
     for a, b in zip(ranged, whole, strict=True):
         assert a.version == b.version and a.state_digest == b.state_digest
         for name in expected:
@@ -207,7 +212,7 @@ def test_a_truncated_anchor_is_refused_by_a_ranged_read(tmp_path):
     path = tmp_path / anchor.path
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(FormatError):
-        sync_all(workers(), store, ranged=True)
+        sync_all(workers(), store)
 
 
 def test_a_tampered_norm_is_refused_by_the_worker_that_does_not_own_it(tmp_path):
@@ -226,5 +231,5 @@ def test_a_tampered_norm_is_refused_by_the_worker_that_does_not_own_it(tmp_path)
     (tmp_path / entry.path).write_bytes(bytes(data))
     rank1 = workers()[1]
     with pytest.raises(DigestMismatch) as caught:
-        rank1.stage([(fetch_boxes(store, entry, rank1.sink.boxes), entry.label)])
+        rank1.stage([(fetch_entry(store, entry), entry.label)])
     assert caught.value.tensor == "model.norm.weight"

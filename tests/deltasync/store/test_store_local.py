@@ -142,3 +142,30 @@ def test_sibling_escape_does_not_write(tmp_path: Path) -> None:
     with pytest.raises(StoreError):
         store.put("../sibling/x.bin", b"payload")
     assert list((tmp_path / "sibling").iterdir()) == []
+
+
+def test_a_store_counts_the_bytes_it_read(tmp_path):
+    """What a reader fetched, whole or by range (a worker's status reports it)."""
+    store = LocalStore(tmp_path)
+    store.put("a", b"x" * 100)
+    assert store.bytes_read == 0
+    store.get("a")
+    store.get_range("a", 10, 30)
+    store.get_sized("a", 100)
+    assert store.bytes_read == 100 + 20 + 100
+
+
+def test_a_write_that_finishes_while_abandoned_writes_are_listed_is_not_one(tmp_path, monkeypatch):
+    """Another writer renames its temporary file between the listing and its stat (two
+    publishers racing, one of them taking over): that file is simply not abandoned."""
+    store = LocalStore(tmp_path)
+    (tmp_path / ".tmp-finishing").write_bytes(b"x")
+    real_lstat = os.lstat
+
+    def renamed_meanwhile(path, *args, **kwargs):
+        if str(path).endswith(".tmp-finishing"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", renamed_meanwhile)
+    assert store.abandoned_writes(0.0) == {}

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import safetensors.torch
@@ -19,6 +21,7 @@ from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.store import LocalStore
 from deltasync.tools.cli import main
 from deltasync.wire.manifest import read_manifest
+from deltasync.wire.metadata import ParsedFile
 from deltasync.wire.policy import AnchorPolicy
 
 
@@ -44,6 +47,22 @@ def test_verify_ok(bucket, capsys):
     out = capsys.readouterr().out
     assert "ok: run cli-run, versions 5..9" in out
     assert f"(state digest {full_state_digest(states[9])})" in out
+
+
+def test_verify_reads_every_byte_of_a_later_anchor(bucket, tmp_path, capsys):
+    """The manifest untouched, one data byte of the later anchor (9) flipped: every cold
+    replica would refuse that anchor, so verify must too, naming the tensor."""
+    shutil.copytree(bucket[0], tmp_path / "b")
+    anchor = max(read_manifest(LocalStore(tmp_path / "b")).anchors, key=lambda a: a.version)
+    path = tmp_path / "b" / anchor.path
+    header = ParsedFile.parse(path.read_bytes()).header
+    name, info = max(header.tensors.items(), key=lambda item: item[1].nbytes)
+    data = bytearray(path.read_bytes())
+    data[header.data_offset + info.start + info.nbytes // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    assert main(["verify", str(tmp_path / "b"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert name in err and "digest" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_replay_materialises_a_version_bitwise(bucket, tmp_path):
@@ -142,3 +161,21 @@ def test_gc_lists_then_removes_only_unreferenced_chain_files(bucket, tmp_path, c
     assert set(store.list()) == before - garbage
     assert named <= set(store.list())
     assert main(["verify", str(tmp_path / "b"), "--quiet"]) == 0
+
+
+def test_gc_removes_uploads_a_killed_writer_left_once_they_are_old(bucket, tmp_path, capsys):
+    """A folder bucket's temporary file of a write that never reached its rename: listed and
+    removed with the rest once untouched for an hour; a recent one may be a live upload."""
+    shutil.copytree(bucket[0], tmp_path / "b")
+    deltas = tmp_path / "b" / "runs" / "cli-run" / "deltas"
+    old, live = deltas / ".tmp-killed", deltas / ".tmp-writing"
+    old.write_bytes(b"x" * 1000)
+    live.write_bytes(b"x" * 10)
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    assert main(["gc", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "runs/cli-run/deltas/.tmp-killed" in out and ".tmp-writing" not in out
+    assert "1 unreferenced files" in out and "1 of them uploads never finished" in out
+    assert old.exists()  # a dry run
+    assert main(["gc", str(tmp_path / "b"), "--delete", "--quiet"]) == 0
+    assert not old.exists() and live.exists()

@@ -304,6 +304,9 @@ def test_a_refused_version_is_not_retried_until_the_manifest_changes(tmp_path, c
         assert s.poll() <= 1.2 * INTERVAL
     assert s.engine.calls.count("deltasync_stage") == stages and s.syncs() == []
     assert len(messages(caplog)) == 1 and "was refused" in messages(caplog)[0]
+    state, public = s.follower.state(), s.follower.state(public=True)
+    assert state["status"] == "ignoring" and "DigestMismatch" in state["last_error"]
+    assert public["last_error"] == "refused" and public["last_error_at"] is not None
     s.engine.stage_error = None
     s.publish(manifest("r", 6))
     s.poll()

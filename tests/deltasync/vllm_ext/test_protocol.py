@@ -9,6 +9,7 @@ from deltasync.vllm_ext.server.protocol import (
     InitInfo,
     SyncRequest,
     UpdateInfo,
+    merge_statuses,
     parse_message,
     parse_version,
     stage_args,
@@ -85,3 +86,9 @@ def test_a_sync_request_takes_a_json_integer():
     for bad in ({"version": "7"}, {"version": 7.0}, {"version": False}, {"version": 7, "x": 1}):
         with pytest.raises(ValueError):
             parse_message(SyncRequest, bad, "sync")
+
+
+def test_the_workers_status_lists_what_each_read():
+    worker = {"run_id": "r", "version": 3, "state_digest": "d", "staging": {}, "busy": False}
+    merged = merge_statuses([worker | {"bytes_read": 700}, worker | {"bytes_read": 500}])
+    assert merged["bytes_read"] == [700, 500] and merged["version"] == 3

@@ -18,7 +18,7 @@ from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Box
 from deltasync.kernels.state_hash import full_state_digest
 from deltasync.publisher.publisher import Publisher, PublisherConfig
-from deltasync.wire.manifest import Manifest, fetch_entry
+from deltasync.wire.manifest import Manifest, fetch_entry, fetch_file
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "protocol-1"
 FIXTURES_2 = Path(__file__).parents[2] / "fixtures" / "protocol-2"
@@ -40,11 +40,11 @@ def test_protocol_1_buckets_replay_bitwise(encoding):
     for delta in manifest.deltas:
         assert replica.update(fetch_entry(store, delta), path=delta.path)
     assert replica.version == 4
-    anchor = safetensors.torch.load(fetch_entry(store, last))
+    anchor = safetensors.torch.load(fetch_file(store, last.files[0]))
     assert set(anchor) == set(replica.tensors)
     for name, tensor in anchor.items():
         assert torch.equal(replica.tensors[name].view(torch.int16), tensor.view(torch.int16))
-    meta, _ = read_metadata(lambda a, b: fetch_entry(store, last)[a:b], last.bytes)
+    meta, _ = read_metadata(lambda a, b: fetch_file(store, last.files[0])[a:b], last.bytes)
     replica.check_digests(meta)
 
 
@@ -94,7 +94,7 @@ def test_protocol_2_buckets_replay_bitwise_with_their_state_digests(encoding):
     for delta in manifest.deltas:
         assert replica.update(fetch_entry(store, delta), path=delta.path)
         assert replica.state_digest.hex() == delta.state_digest
-    anchor = safetensors.torch.load(fetch_entry(store, manifest.latest_anchor))
+    anchor = safetensors.torch.load(fetch_file(store, manifest.latest_anchor.files[0]))
     assert full_state_digest(anchor).hex() == manifest.latest_anchor.state_digest
     assert full_state_digest(replica.tensors) == replica.state_digest
 
