@@ -19,12 +19,12 @@ token you are logged in with.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from deltasync import settings
 from launcher.config import LocalConfig, SpacesConfig, check_name, env_kind
 from launcher.errors import LaunchError
 from trainer import defaults
@@ -46,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"{defaults.SPACES_ENV}; "
         f"--local: {defaults.ENV}; --local --containers: {defaults.SPACES_ENV})",
     )
-    p.add_argument("--replicas", type=int, default=1, help="vLLM rollout replicas (default 1)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=SpacesConfig.replicas,
+        help="vLLM rollout replicas (default %(default)s)",
+    )
     p.add_argument(
         "--steps",
         type=int,
@@ -60,11 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     hub = p.add_argument_group("Spaces")
     hub.add_argument("--namespace", help="user or org that owns everything (default: you)")
-    hub.add_argument("--name", default="deltasync", help="Space name prefix (default %(default)s)")
+    hub.add_argument(
+        "--name", default=SpacesConfig.name, help="Space name prefix (default %(default)s)"
+    )
     hub.add_argument("--bucket", help="bucket name (default <name>-weights); --local: a folder")
     hub.add_argument(
         "--vllm-flavor",
-        default="a10g-small",
+        default=SpacesConfig.vllm_flavor,
         help="replica hardware (%(default)s); `hf spaces hardware` lists the names",
     )
     hub.add_argument(
@@ -74,8 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="GPU replicas sleep after this long without requests; -1: never (%(default)s)",
     )
-    hub.add_argument("--env-flavor", default="cpu-basic", help="Wordle hardware (%(default)s)")
-    hub.add_argument("--dashboard-flavor", default="cpu-basic", help="(default %(default)s)")
+    hub.add_argument(
+        "--env-flavor", default=SpacesConfig.env_flavor, help="Wordle hardware (%(default)s)"
+    )
+    hub.add_argument(
+        "--dashboard-flavor", default=SpacesConfig.dashboard_flavor, help="(default %(default)s)"
+    )
     hub.add_argument(
         "--private",
         action="store_true",
@@ -90,8 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     hub.add_argument("--teardown", action="store_true", help="delete the Spaces and the bucket")
     hub.add_argument("--keep-bucket", action="store_true", help="--teardown: keep the bucket")
     hub.add_argument("-y", "--yes", action="store_true", help="--teardown: do not ask")
-    hub.add_argument("--wait-timeout", type=float, default=30, help="minutes (default 30)")
-    hub.add_argument("--poll-interval", type=float, default=10, help=argparse.SUPPRESS)
+    hub.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=SpacesConfig.wait_timeout_s / 60,
+        help="minutes (default %(default)g)",
+    )
+    hub.add_argument(
+        "--poll-interval", type=float, default=SpacesConfig.poll_s, help=argparse.SUPPRESS
+    )
     hub.add_argument("--hf-cli", help="path of the hf executable (default: hf on PATH)")
 
     local = p.add_argument_group("--local")
@@ -104,7 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--vllm-port", type=int, default=defaults.VLLM_PORT, help="replica i: +10*i")
     local.add_argument("--env-port", type=int, default=defaults.ENV_PORT)
     local.add_argument("--dashboard-port", type=int, default=defaults.DASHBOARD_PORT)
-    local.add_argument("--startup-timeout", type=float, default=900, help="seconds")
+    local.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=LocalConfig.startup_timeout_s,
+        help="seconds (default %(default)g)",
+    )
     local.add_argument("--seed", type=int, default=0)
     local.add_argument(
         "--containers",
@@ -129,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    api_key = os.environ.get("DELTASYNC_API_KEY") or None
+    api_key = settings.API_KEY.read() or None
     # --containers runs the Spaces, so the Spaces' environment (Wordle) by default
     spaces_like = args.containers or not args.local
     env = args.env or (defaults.SPACES_ENV if spaces_like else defaults.ENV)
@@ -231,7 +254,7 @@ def _spaces(args, parser, env, stamp, api_key, trainer_args) -> int:
         workdir=args.workdir or Path("out/launch"),
         trainer_args=tuple(trainer_args),
         api_key=api_key,
-        read_token=os.environ.get("DELTASYNC_READ_TOKEN") or None,
+        read_token=settings.READ_TOKEN.read() or None,
         hf_cli=args.hf_cli,
         dry_run=args.dry_run,
     )

@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from deltasync import settings
 from deltasync.arguments import count, json_path
 from launcher.containers.bases import ensure_bases
 from launcher.containers.engine import find_engine
@@ -82,7 +83,7 @@ def quick_start(steps: int, containers: bool, work: Path) -> dict:
     argv = [sys.executable, str(REPO / "launch.py"), "--local", "--env", "sanity"]
     argv += ["--steps", str(steps), "--workdir", str(work), "--run-name", "bench"]
     argv += ["--containers"] if containers else []
-    env = {**os.environ, "DELTASYNC_FOLLOW": "1"}
+    env = {**os.environ, settings.FOLLOW.name: "1"}
     started = time.monotonic()
     proc = subprocess.run(
         argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600, check=False

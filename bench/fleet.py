@@ -28,6 +28,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from deltasync import settings
 from deltasync.arguments import count, folder, json_path, scratch
 from deltasync.store import LocalStore
 from deltasync.vllm_ext.client import ReplicaClient
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> dict:
         cmd += ["--vllm-server-url", clients["vllm-0"].base_url]
         for name in samples:
             cmd += ["--follower-url", clients[name].base_url]
-        env = dict(os.environ, DELTASYNC_API_KEY=token, TRL_EXPERIMENTAL_SILENCE="1")
+        env = {**os.environ, settings.API_KEY.name: token, "TRL_EXPERIMENTAL_SILENCE": "1"}
         log = work / "trainer.log"
         with log.open("wb") as out:
             code = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT).returncode

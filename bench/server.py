@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 
+from deltasync import settings
 from deltasync.vllm_ext.client import ReplicaClient
 
 __all__ = ["free_port", "served", "wait_ready"]
@@ -64,7 +65,7 @@ def served(
     cmd += list(serve_args)
     cmd += ["--", "--max-model-len", "512", "--max-num-seqs", "4", "--disable-log-stats"]
     cmd += list(vllm_args)
-    env = dict(os.environ, DELTASYNC_API_KEY=token or "")
+    env = {**os.environ, settings.API_KEY.name: token or ""}
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

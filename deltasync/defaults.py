@@ -20,6 +20,8 @@ ENCODING = "ctx"
 RECOMPUTE_EVERY = 50  # the full-state digest recomputed from the held bytes every N versions
 PAUSE_DEADLINE_S = 90.0  # longest pause of generation for one sync
 FOLLOW_INTERVAL_S = 2.0  # a following replica's manifest polls
+STAGE_TIMEOUT_S = 900.0  # longest wait for one version's staging (generation is not paused)
+STARTUP_TIMEOUT_S = 900.0  # a server's longest start to healthy (a large model loads slowly)
 
 # Every reader: how many bytes of a file it has in flight at once (anchors are read in pieces of
 # `Store.range_bytes`, never whole), beside what it holds.

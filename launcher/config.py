@@ -62,8 +62,8 @@ class SpacesConfig:
     poll_s: float = 10.0
     workdir: Path = Path("out/launch")
     trainer_args: tuple[str, ...] = ()
-    api_key: str | None = field(default=None, repr=False)  # DELTASYNC_API_KEY, if set
-    # DELTASYNC_READ_TOKEN: a fine-grained read token for the Spaces that only read the bucket
+    api_key: str | None = field(default=None, repr=False)  # settings.API_KEY, if set
+    # settings.READ_TOKEN: a fine-grained read token for the Spaces that only read the bucket
     read_token: str | None = field(default=None, repr=False)
     hf_cli: str | None = None
     dry_run: bool = False
@@ -85,7 +85,7 @@ class LocalConfig:
     env_port: int = defaults.ENV_PORT
     dashboard_port: int = defaults.DASHBOARD_PORT
     vllm_args: str | None = None  # default: sized for the model (see local.py)
-    startup_timeout_s: float = 900.0
+    startup_timeout_s: float = defaults.STARTUP_TIMEOUT_S
     trainer_args: tuple[str, ...] = ()
     api_key: str | None = None
     seed: int = 0

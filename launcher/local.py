@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from deltasync import settings
 from trainer.defaults import BUILT
 from trainer.env_report import load_warnings
 from trainer.routing import read_completions
@@ -143,7 +144,7 @@ def local_plan(cfg: LocalConfig, cores: Sequence[int] | None = None) -> LocalPla
             tuple(dashboard_command(str(bucket), cfg.dashboard_port)),
             env={
                 "GRADIO_ANALYTICS_ENABLED": "False",
-                "DELTASYNC_REPLICAS": ",".join(urls.values()),
+                settings.REPLICAS.name: ",".join(urls.values()),
             },
             ready_url=dashboard_url + "/",
             stop_grace_s=10,
@@ -157,7 +158,7 @@ def local_plan(cfg: LocalConfig, cores: Sequence[int] | None = None) -> LocalPla
             ProcessSpec(
                 name,
                 tuple(replica_command(served, str(bucket), port, vllm_args)),
-                env={"DELTASYNC_API_KEY": key, **({BIND_ENV: bind} if bind else {})},
+                env={settings.API_KEY.name: key, **({BIND_ENV: bind} if bind else {})},
                 ready_line="ready on ",
                 health_url=f"{urls[name]}/health",  # 503 once its engine died, though it runs
                 # serve.py gives vLLM 20 s to stop its own process tree; give it that and more.
@@ -188,7 +189,11 @@ def local_plan(cfg: LocalConfig, cores: Sequence[int] | None = None) -> LocalPla
             )
         ),
         console=True,
-        env={"DELTASYNC_API_KEY": key, "TRL_EXPERIMENTAL_SILENCE": "1", **class_path_env(kind)},
+        env={
+            settings.API_KEY.name: key,
+            "TRL_EXPERIMENTAL_SILENCE": "1",
+            **class_path_env(kind),
+        },
         stop_grace_s=20,
     )
     prepare = None

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from deltasync import settings
+
 from .config import SpacesConfig
 from .errors import LaunchError
 
@@ -34,7 +36,7 @@ MARKER_TAG = "deltasync"
 TOKEN_SECRET = "HF_TOKEN"
 # The Space SDK of each template (spaces/<kind>/README.md's front matter says the same).
 SDKS = {"vllm": "docker", "wordle": "docker", "dashboard": "gradio"}
-API_KEY_SECRET = "DELTASYNC_API_KEY"
+API_KEY_SECRET = settings.API_KEY.name
 # The Wordle Space's key for /ws, /reset and /step (the same value as the replicas' key).
 ENV_KEY_SECRET = "ENV_API_KEY"
 # What a dry run without a login names things under (unless --namespace says).
@@ -151,7 +153,7 @@ def make_plan(cfg: SpacesConfig, namespace: str, gpu: frozenset[str] = frozenset
     """Every name and setting; replicas on hardware in `gpu` get `cfg.sleep_time_s`."""
     bucket_id = f"{namespace}/{cfg.bucket or cfg.name + '-weights'}"
     bucket_url = f"hf://buckets/{bucket_id}"
-    # The replicas and the dashboard only read the bucket: with a read token (DELTASYNC_READ_TOKEN)
+    # The replicas and the dashboard only read the bucket: with a read token (settings.READ_TOKEN)
     # their HF_TOKEN is piped in; without one the CLI gives them the token you are logged in with.
     token, piped = ((), (TOKEN_SECRET,)) if cfg.read_token else ((TOKEN_SECRET,), ())
     specs = []
@@ -194,7 +196,7 @@ def make_plan(cfg: SpacesConfig, namespace: str, gpu: frozenset[str] = frozenset
                 f"{namespace}/{cfg.name}-{role}",
                 cfg.dashboard_flavor,
                 cfg.private,
-                (("DELTASYNC_BUCKET", bucket_url), ("DELTASYNC_REPLICAS", ",".join(hosts))),
+                ((settings.BUCKET.name, bucket_url), (settings.REPLICAS.name, ",".join(hosts))),
                 token,
                 template,
                 piped=piped,

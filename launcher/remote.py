@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from deltasync import settings
+
 from .commands import class_path_env, shown, trainer_command
 from .config import SpacesConfig, env_kind
 from .hf import HfCli
@@ -41,7 +43,7 @@ def run_spaces(cfg: SpacesConfig, hf: HfCli, echo: Callable[[str], None] = print
     echo(f"  {'bucket':<{width}}  {dep.plan.bucket_url}")
     cmd = spaces_trainer_command(cfg, dep)
     # With $DELTASYNC_API_KEY set there is no key file: the variable is already in the shell.
-    key_hint = f"DELTASYNC_API_KEY=$(cat {dep.api_key_file}) " if dep.api_key_file else ""
+    key_hint = f"{settings.API_KEY.name}=$(cat {dep.api_key_file}) " if dep.api_key_file else ""
     if key_hint and env_kind(cfg.env) == "wordle":  # the Wordle Space wants the same key
         key_hint += f"ENV_API_KEY=$(cat {dep.api_key_file}) "
     if hf.dry_run or not cfg.train:
@@ -50,7 +52,7 @@ def run_spaces(cfg: SpacesConfig, hf: HfCli, echo: Callable[[str], None] = print
         return 0
     echo(f"training: {shown(cmd)}")
     env = {
-        "DELTASYNC_API_KEY": dep.api_key,
+        settings.API_KEY.name: dep.api_key,
         **({"ENV_API_KEY": dep.api_key} if env_kind(cfg.env) == "wordle" else {}),
         "TRL_EXPERIMENTAL_SILENCE": "1",
         **class_path_env(env_kind(cfg.env)),

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deltasync import settings
+
 from . import staging
 from .config import SpacesConfig
 from .errors import LaunchError, NameTaken, NotLoggedIn
@@ -267,8 +269,8 @@ def _piped(spec: SpaceSpec, cfg: SpacesConfig) -> str | None:
     for key in spec.piped:
         if not _TOKEN.fullmatch(values[key] or ""):
             raise LaunchError(
-                "DELTASYNC_READ_TOKEN is not a Hugging Face token (hf_..., letters and digits); "
-                "unset it to give the Spaces the token you are logged in with"
+                f"{settings.READ_TOKEN.name} is not a Hugging Face token (hf_..., letters and "
+                "digits); unset it to give the Spaces the token you are logged in with"
             )
     return "".join(f"{key}={values[key]}\n" for key in spec.piped) or None
 

@@ -10,7 +10,7 @@ model on a GPU.
 from __future__ import annotations
 
 # local mode binds loopback only; replica i listens on VLLM_PORT + 10 * i
-from deltasync.defaults import DASHBOARD_PORT, ENV_PORT, HOST, VLLM_PORT
+from deltasync.defaults import DASHBOARD_PORT, ENV_PORT, HOST, STARTUP_TIMEOUT_S, VLLM_PORT
 
 __all__ = [
     "BUCKET",
@@ -25,6 +25,7 @@ __all__ = [
     "SMALL",
     "SPACES_ENV",
     "SPACES_STEPS",
+    "STARTUP_TIMEOUT_S",
     "STEPS",
     "TINY",
     "VLLM_PORT",

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import torch
 from transformers import TrainerCallback
 
-from deltasync import AnchorPolicy, Publisher, PublisherConfig, PublishError, open_store
+from deltasync import AnchorPolicy, Publisher, PublisherConfig, PublishError, open_store, settings
 from deltasync.arguments import (
     bucket_url,
     count,
@@ -139,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--vllm-api-key",
-        default=os.environ.get("DELTASYNC_API_KEY"),
-        help="bearer token of the rollout servers (default $DELTASYNC_API_KEY)",
+        default=settings.API_KEY.read() or None,
+        help=f"bearer token of the rollout servers (default ${settings.API_KEY.name})",
     )
     p.add_argument(
         "--env",

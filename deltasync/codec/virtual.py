@@ -8,7 +8,6 @@ so a replica reads one only where its `SourcePolicy` allows: its own model's fol
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from safetensors import safe_open
 
 from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Box
-from deltasync.wire.source import SOURCE_ROOTS_ENV, ModelSource
+from deltasync.wire.source import ModelSource
 
 __all__ = [
     "SourcePolicy",
@@ -67,12 +66,6 @@ class SourcePolicy:
             )
             roots, repos = [cache.resolve()], frozenset({model})
         return cls((*roots, *(Path(p).resolve() for p in more)), repos)
-
-    @classmethod
-    def from_environ(cls, model: str) -> SourcePolicy:
-        """`for_model` with the extra roots `serve --source-root` passed down."""
-        more = os.environ.get(SOURCE_ROOTS_ENV, "")
-        return cls.for_model(model, [p for p in more.split(os.pathsep) if p])
 
     def check(self, source: ModelSource, shapes: Mapping[str, tuple[int, ...]]) -> None:
         """Raise `FormatError` unless `source` may be read; downloads a hub source (bounded)."""

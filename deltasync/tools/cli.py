@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import fsspec
 from tqdm import tqdm
 
+from deltasync import settings
 from deltasync.arguments import count, http_url, learning_rate
 from deltasync.codec import ENCODINGS, read_metadata
 from deltasync.defaults import ENCODING
@@ -249,7 +249,7 @@ def _check(args: argparse.Namespace) -> int:
         raise MissingExtra(f"check loads a reference in vLLM (deltasync[local]): {exc}") from None
     store = _existing_bucket(args.bucket)
     if args.replica:
-        token = os.environ.get("DELTASYNC_API_KEY")
+        token = settings.API_KEY.read() or None
         lines = check.check_replica(store, args.replica, token, model=args.model)
     else:
         lines = check.check_folder(store, args.folder, version=args.version, model=args.model)

@@ -22,8 +22,7 @@ import urllib.request
 from typing import Any
 
 from deltasync.errors import DeltaSyncError, FormatError
-from deltasync.vllm_ext.server.control import SYNC_PATH
-from deltasync.vllm_ext.server.protocol import merge_statuses
+from deltasync.vllm_ext.protocol import SYNC_PATH, merge_statuses
 from deltasync.wire.digests import StateDigest, total
 
 __all__ = ["ReplicaClient", "ReplicaError"]

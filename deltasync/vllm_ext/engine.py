@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from deltasync import defaults, settings
 from deltasync.codec.virtual import SourcePolicy
 from deltasync.errors import DeltaSyncError, DigestMismatch, FormatError
 from deltasync.kernels.boxes import Boxes, check_cover
@@ -44,14 +45,13 @@ from deltasync.vllm_ext.apply.device import InPlaceSink
 from deltasync.vllm_ext.apply.layout import LayoutOf
 from deltasync.vllm_ext.apply.shadow import ShadowSink, vllm_reloader
 from deltasync.vllm_ext.apply.swap import CpuGemmSwapper
-from deltasync.vllm_ext.server.protocol import InitInfo, UpdateInfo, parse_message
+from deltasync.vllm_ext.protocol import InitInfo, UpdateInfo, parse_message
 from deltasync.wire.digests import StateDigest, total
 from deltasync.wire.manifest import ChainEntry, fetch_entry
 
 __all__ = ["MAX_STAGED", "DeltaSyncEngine"]
 
 log = logging.getLogger(__name__)
-STAGE_TIMEOUT_S = 900.0
 MAX_STAGED = 4  # staging slots kept at once (the trainer needs one or two)
 
 
@@ -133,7 +133,9 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 verify=init_info.verify,
                 recompute_every=init_info.recompute_every,
                 # virtual anchors only from this replica's own model (and --source-root)
-                sources=SourcePolicy.from_environ(self.vllm_config.model_config.model),
+                sources=SourcePolicy.for_model(
+                    self.vllm_config.model_config.model, settings.SOURCE_ROOTS.read()
+                ),
             )
         if isinstance(self.state.sink, ShadowSink):
             self.state.sink.prepack = init_info.prepack
@@ -220,7 +222,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             future = self._staging.pop(info.version, None)
         if future is not None:
             try:
-                staged = future.result(timeout=STAGE_TIMEOUT_S)
+                staged = future.result(timeout=defaults.STAGE_TIMEOUT_S)
             except DeltaSyncError as exc:
                 log.warning("deltasync: staging of %d failed (%s); retrying", info.version, exc)
             else:
@@ -240,7 +242,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             pending = self._background()
         for future in pending:
             if not future.cancelled():
-                future.exception(timeout=STAGE_TIMEOUT_S)
+                future.exception(timeout=defaults.STAGE_TIMEOUT_S)
 
     def _background(self) -> list[Future]:
         """The staging thread's work that reads the held state (lock held)."""

@@ -40,7 +40,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from deltasync.errors import DeltaSyncError
 from deltasync.vllm_ext import BACKEND
 from deltasync.vllm_ext.engine import DeltaSyncEngine
-from deltasync.vllm_ext.server.protocol import stage_args, stage_manifest
+from deltasync.vllm_ext.protocol import stage_args, stage_manifest
 
 __all__ = ["DeltaSyncWorkerExtension", "register"]
 

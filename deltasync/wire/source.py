@@ -17,10 +17,7 @@ from pathlib import Path
 
 from deltasync.errors import FormatError
 
-__all__ = ["SOURCE_ROOTS_ENV", "ModelSource", "resolve_source"]
-
-# More folders a replica may load virtual anchors from (`serve --source-root`), os.pathsep-joined.
-SOURCE_ROOTS_ENV = "DELTASYNC_SOURCE_ROOTS"
+__all__ = ["ModelSource", "resolve_source"]
 
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 _SHA = re.compile(r"[0-9a-f]{40}")

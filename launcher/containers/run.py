@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from deltasync import settings
 from deltasync.defaults import SPACE_PORT
 from deltasync.store.local import current_umask
 
@@ -83,7 +84,7 @@ def container_specs(cfg: LocalConfig, plan: LocalPlan) -> list[ContainerSpec]:
             specs.append(ContainerSpec("wordle", "wordle", cfg.env_port, {}, secrets))
         elif service.name == "dashboard":
             replicas = ",".join(f"http://{name}:{SPACE_PORT}" for name in plan.replica_urls)
-            variables = {"DELTASYNC_BUCKET": str(plan.bucket), "DELTASYNC_REPLICAS": replicas}
+            variables = {settings.BUCKET.name: str(plan.bucket), settings.REPLICAS.name: replicas}
             specs.append(
                 ContainerSpec(
                     "dashboard", "dashboard", cfg.dashboard_port, variables, {}, (bucket,), "/"
@@ -103,7 +104,7 @@ def container_specs(cfg: LocalConfig, plan: LocalPlan) -> list[ContainerSpec]:
                 variables[_BIND_ENV] = bind
             mounts = (bucket, *([(Path(model), True)] if os.path.isabs(model) else []))
             port = int(plan.replica_urls[service.name].rsplit(":", 1)[1])
-            secrets = {"DELTASYNC_API_KEY": plan.api_key}
+            secrets = {settings.API_KEY.name: plan.api_key}
             specs.append(
                 ContainerSpec(
                     service.name, "vllm", port, variables, secrets, mounts, shm_size=_VLLM_SHM

@@ -13,7 +13,6 @@ each refresh fetches only files it has not seen (see data.py).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from typing import Any
 
 import gradio as gr
 
+from deltasync import settings
 from deltasync.defaults import DASHBOARD_PORT
 from deltasync.errors import DeltaSyncError
 from deltasync.store import Store, open_store
@@ -45,9 +45,6 @@ from .series import (
 from .serving import launch
 
 __all__ = ["DashboardConfig", "build_dashboard", "main"]
-
-ENV_BUCKET = "DELTASYNC_BUCKET"
-ENV_REPLICAS = "DELTASYNC_REPLICAS"
 
 
 @dataclass(frozen=True)
@@ -143,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--bucket",
-        default=os.environ.get(ENV_BUCKET),
-        help=f"folder, hf://buckets/NS/NAME or fsspec URL (default: ${ENV_BUCKET})",
+        default=settings.BUCKET.read() or None,
+        help=f"folder, hf://buckets/NS/NAME or fsspec URL (default: ${settings.BUCKET.name})",
     )
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 inside a Space")
     parser.add_argument("--port", type=int, default=DASHBOARD_PORT)
@@ -154,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help=f"a rollout server to show (its open /health: version, lag, pause); repeat for "
-        f"several (default: ${ENV_REPLICAS}, comma-separated)",
+        f"several (default: ${settings.REPLICAS.name}, comma-separated)",
     )
     return parser
 
@@ -162,13 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.bucket:
-        print(f"error: pass --bucket or set {ENV_BUCKET}", file=sys.stderr)
+        print(f"error: pass --bucket or set {settings.BUCKET.name}", file=sys.stderr)
         return 2
     if not args.refresh > 0:
         print(f"error: --refresh must be > 0, got {args.refresh}", file=sys.stderr)
         return 2
     try:
-        replicas = parse_replica_urls(" ".join(args.replica or [os.environ.get(ENV_REPLICAS, "")]))
+        replicas = parse_replica_urls(" ".join(args.replica or [settings.REPLICAS.read()]))
         config = DashboardConfig(refresh_s=args.refresh, replicas=replicas)
         demo = build_dashboard(args.bucket, config)
     except (DeltaSyncError, ValueError) as exc:

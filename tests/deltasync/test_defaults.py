@@ -4,13 +4,15 @@ agree with `deltasync.defaults`."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
 
+import pytest
 from huggingface_hub import metadata_load
 
-from deltasync import defaults
+from deltasync import defaults, settings
 from wordle_env.server.settings import ServerSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,12 +26,75 @@ def _tracked(*patterns: str) -> list[Path]:
     return [REPO / f for f in found if not f.startswith("tests/")]
 
 
-def test_readme_lists_every_variable_read_and_no_other():
-    sources = _tracked("*.py", "*.sh", "*Dockerfile", "spaces/*/README.md")
-    read = {v for path in sources for v in _VARIABLE.findall(path.read_text())}
+def test_readme_table_is_the_settings_table():
+    """README's rows are `settings.SETTINGS`, name and meaning, and every variable any file
+    names (code, images, Space cards) is one of them."""
     readme = (REPO / "README.md").read_text()
-    rows = set(re.findall(r"^\| `(DELTASYNC_\w+)` \| ", readme, flags=re.M))
-    assert len(read) >= 10 and rows == read
+    rows = dict(re.findall(r"^\| `(DELTASYNC_\w+)` \| (.*) \|$", readme, flags=re.M))
+    assert rows == {s.name: s.meaning for s in settings.SETTINGS}
+    sources = _tracked("*.py", "*.sh", "*Dockerfile", "spaces/*/README.md")
+    named = {v for path in sources for v in _VARIABLE.findall(path.read_text())}
+    assert len(named) >= 10 and named == set(rows)
+
+
+def test_every_setting_has_a_reader():
+    """A setting is read through the module (`settings.NAME`) or by a file that cannot import
+    it (the image's shell entrypoint, sitecustomize)."""
+    texts = [p.read_text() for p in _tracked("*.py", "*.sh") if p.name != "settings.py"]
+    attributes = {v: k for k, v in vars(settings).items() if isinstance(v, settings.Setting)}
+    unread = [
+        s.name
+        for s in settings.SETTINGS
+        if not any(f"settings.{attributes[s]}" in t or f"${{{s.name}" in t for t in texts)
+        and not any(s.name in t for t in texts if "sys.modules" in t)
+    ]
+    assert unread == []
+
+
+# the one reader besides the settings module: it runs at interpreter start, before any import
+_READERS = {"deltasync/settings.py", "deltasync/vllm_ext/server/_site/sitecustomize.py"}
+
+
+def variable_names_defined(text: str) -> list[str]:
+    """Where Python source spells a variable's name as a value of its own: a string that is
+    exactly a `DELTASYNC_*` name (an `environ.get(...)` key, a dict key, a constant) or a
+    keyword argument so named (`dict(os.environ, DELTASYNC_X=...)`). Prose that names one is
+    fine."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            name = node.value
+        elif isinstance(node, ast.keyword) and node.arg:
+            name = node.arg
+        else:
+            continue
+        if _VARIABLE.fullmatch(name):
+            found.append(f"{getattr(node, 'lineno', getattr(node.value, 'lineno', '?'))}: {name}")
+    return found
+
+
+def test_only_the_settings_module_names_a_variable_in_code():
+    spelled = {
+        str(path.relative_to(REPO)): found
+        for path in _tracked("*.py")
+        if str(path.relative_to(REPO)) not in _READERS
+        and (found := variable_names_defined(path.read_text()))
+    }
+    assert spelled == {}
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'os.environ.get("DELTASYNC_GATE")',
+        'env = {"DELTASYNC_API_KEY": key}',
+        "env = dict(os.environ, DELTASYNC_API_KEY=token)",
+        'TOKEN_ENV = "DELTASYNC_API_KEY"',
+    ],
+)
+def test_the_check_sees_each_way_to_spell_a_name(line):
+    assert variable_names_defined(line) != []
+    assert variable_names_defined(f'"""Set DELTASYNC_GATE=1 to gate."""\nx = {line!r}') == []
 
 
 def test_the_vllm_image_serves_on_the_space_port():

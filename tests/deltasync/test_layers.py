@@ -18,6 +18,7 @@ LAYERS = [
     ("deltasync.errors", 0),
     ("deltasync.arguments", 0),
     ("deltasync.defaults", 0),
+    ("deltasync.settings", 0),
     ("deltasync.store", 1),
     ("deltasync.wire", 2),
     ("deltasync.kernels", 3),
@@ -91,6 +92,51 @@ def test_every_import_runs_down_the_layers():
         for source, targets in sorted(graph().items())
         for target in sorted(targets)
         if layer(target) > layer(source) and not _is_parent_package(target, source)
+    ]
+    assert upward == []
+
+
+# Inside layer 6: the wire between the processes, the worker side and the trainer's client, then
+# server/ (which may use the client to catch up), its app and entry point, and the old paths.
+VLLM_EXT_LAYERS = [
+    ("deltasync.vllm_ext.protocol", 0),
+    ("deltasync.vllm_ext.apply", 0),
+    ("deltasync.vllm_ext.client", 1),
+    ("deltasync.vllm_ext.engine", 1),
+    ("deltasync.vllm_ext.worker", 2),
+    ("deltasync.vllm_ext.server._site", 3),
+    ("deltasync.vllm_ext.server.compat", 3),
+    ("deltasync.vllm_ext.server.auth", 3),
+    ("deltasync.vllm_ext.server.control", 3),
+    ("deltasync.vllm_ext.server.follow", 4),
+    ("deltasync.vllm_ext.server.app", 5),
+    ("deltasync.vllm_ext.server.serve", 5),
+    ("deltasync.vllm_ext.server", 6),
+    ("deltasync.vllm_ext.auth", 7),
+    ("deltasync.vllm_ext.serve", 7),
+    ("deltasync.vllm_ext", 8),
+]
+
+
+def vllm_ext_layer(module: str) -> int:
+    for prefix, number in VLLM_EXT_LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            return number
+    raise AssertionError(f"{module} is in no layer of vllm_ext")
+
+
+def test_inside_vllm_ext_every_import_runs_down():
+    """No arrow from a file of vllm_ext/ to one it builds on runs back up (the client imported
+    the server's control plane for one constant, which the server's entry point then imported
+    through the client)."""
+    inside = "deltasync.vllm_ext"
+    upward = [
+        f"{source} imports {target}"
+        for source, targets in sorted(graph().items())
+        if source.startswith(inside + ".")
+        for target in sorted(targets)
+        if target.startswith(inside + ".") and not _is_parent_package(target, source)
+        if vllm_ext_layer(target) > vllm_ext_layer(source)
     ]
     assert upward == []
 

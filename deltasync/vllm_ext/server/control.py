@@ -37,7 +37,8 @@ from typing import Any
 from deltasync import defaults
 from deltasync.errors import DeltaSyncError, FormatError
 from deltasync.store import RetryPolicy, Store, open_store
-from deltasync.vllm_ext.server.protocol import (
+from deltasync.vllm_ext.protocol import (
+    SYNC_PATH,
     InitInfo,
     SyncRequest,
     merge_statuses,
@@ -46,11 +47,10 @@ from deltasync.vllm_ext.server.protocol import (
 )
 from deltasync.wire.manifest import read_manifest
 
-__all__ = ["RPC_METHODS", "SYNC_PATH", "ControlConfig", "ControlError", "ControlPlane"]
+__all__ = ["RPC_METHODS", "ControlConfig", "ControlError", "ControlPlane"]
 
 log = logging.getLogger("deltasync.control")
 
-SYNC_PATH = "/deltasync/sync"
 STAGE_RPC = "deltasync_stage"
 SHARE_RPC = "deltasync_state_share"  # its `start` begins a background pass, changing nothing
 # What `/collective_rpc` may run: staging (it changes nothing served) and read-only inspection.
@@ -73,7 +73,7 @@ class ControlError(Exception):
 
 @dataclass(frozen=True)
 class ControlConfig:
-    """Settings of the control plane (the middleware builds it from the environment).
+    """Settings of the control plane (the server app builds it from the environment).
 
     Attributes:
         pause_deadline_s: longest time generation stays paused; then it resumes by itself.
@@ -83,8 +83,8 @@ class ControlConfig:
     """
 
     pause_deadline_s: float = defaults.PAUSE_DEADLINE_S
-    stage_timeout_s: float = 900.0
-    busy_timeout_s: float = 900.0
+    stage_timeout_s: float = defaults.STAGE_TIMEOUT_S
+    busy_timeout_s: float = defaults.STAGE_TIMEOUT_S
     poll_s: float = 0.02
 
     def __post_init__(self) -> None:

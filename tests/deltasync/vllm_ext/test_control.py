@@ -10,7 +10,7 @@ import json
 import pytest
 from standin_engine import StandInEngine
 
-from deltasync.vllm_ext.server.auth import BearerAuthMiddleware
+from deltasync.vllm_ext.server.app import BearerAuthMiddleware
 from deltasync.vllm_ext.server.control import ControlConfig, ControlPlane
 
 TOKEN = "s3cret-token"

@@ -15,7 +15,7 @@ import pytest
 from standin_engine import StandInEngine
 
 from deltasync.store import open_store
-from deltasync.vllm_ext.server.auth import BearerAuthMiddleware
+from deltasync.vllm_ext.server.app import BearerAuthMiddleware
 from deltasync.vllm_ext.server.control import ControlConfig, ControlError, ControlPlane
 from deltasync.vllm_ext.server.follow import FollowConfig, Follower
 from deltasync.wire.manifest import MANIFEST_PATH, ChainEntry, Manifest, file_path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deltasync.errors import FormatError
-from deltasync.vllm_ext.server.protocol import (
+from deltasync.vllm_ext.protocol import (
     InitInfo,
     SyncRequest,
     UpdateInfo,

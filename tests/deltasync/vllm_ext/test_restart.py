@@ -20,7 +20,7 @@ from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.store import open_store
 from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
-from deltasync.vllm_ext.server.control import SYNC_PATH
+from deltasync.vllm_ext.protocol import SYNC_PATH
 from deltasync.wire.policy import AnchorPolicy
 from trainer.tiny_model import build_tiny_qwen3
 

@@ -194,8 +194,8 @@ def test_bad_follow_settings_are_one_line_errors(monkeypatch, capsys, argv, env,
 )
 def test_every_middleware_path_vllm_may_be_given_resolves(path):
     """vLLM imports `--middleware` by dotted path; the old paths resolve to the same classes."""
-    from deltasync.vllm_ext.server import auth
+    from deltasync.vllm_ext.server import app
 
     module, name = path.rsplit(".", 1)
     found = getattr(importlib.import_module(module), name)
-    assert found is getattr(auth, name)
+    assert found is getattr(app, name)

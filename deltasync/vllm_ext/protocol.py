@@ -1,4 +1,5 @@
-"""Control messages of the `deltasync` weight-transfer backend and of the sync route.
+"""Control messages of the `deltasync` weight-transfer backend and of the sync route: the wire
+between the trainer's client, the server and the workers, so each imports it and none another.
 
 vLLM hands the engine plain dicts (`init_info`, `update_info`, `/collective_rpc` strings) and the
 sync route hands it JSON bodies; they become these frozen records in one place and are validated
@@ -17,6 +18,7 @@ from deltasync.wire.fields import is_int
 from deltasync.wire.manifest import MAX_MANIFEST_BYTES
 
 __all__ = [
+    "SYNC_PATH",
     "InitInfo",
     "SyncRequest",
     "UpdateInfo",
@@ -27,6 +29,7 @@ __all__ = [
     "stage_manifest",
 ]
 
+SYNC_PATH = "/deltasync/sync"  # the one route that changes weights (`server.control`)
 MAX_VERSION = 2**63 - 1  # versions travel as int64 in file metadata
 MAX_PATH_CHARS = 1024
 
