@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 KINDS = ("wordle", "dashboard", "vllm")
 _HEALTHY = re.compile(r"^all healthy in (\d+) s")
 _LATENCY = re.compile(r"commit-to-serving latency p50 / p95: vllm-0 ([\d.]+) / ([\d.]+) s")
-_VERIFIED = re.compile(r"(\d+) versions published, verified by the replicas \(vllm-0: (\d+)/")
+_VERIFIED = re.compile(r"(\d+) versions published\nvllm-0: (\d+) versions applied and verified")
 
 
 def builds(cache_home: str | None) -> dict:

@@ -100,6 +100,11 @@ def prepare_command(model: str, model_dir: Path, seed: int) -> list[str]:
     return [PY, "-c", _PREPARE, model, str(model_dir), str(seed)]
 
 
+def warm_up_command(encoding: str) -> list[str]:
+    """Compiles the codec's loops into numba's disk cache (`python -m deltasync warm-up`)."""
+    return [PY, "-m", "deltasync", "warm-up", "--encoding", encoding]
+
+
 def class_path_env(kind: str) -> dict[str, str]:
     """A session class (`--env package.module:Class`) is imported by the trainer, which runs
     in the repository: give it the folder launch.py was started from, then PYTHONPATH."""

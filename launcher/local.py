@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deltasync import settings
+from deltasync.defaults import ENCODING
+from deltasync.wire.metrics import SyncRecord
 from trainer.defaults import BUILT
 from trainer.env_report import load_warnings
 from trainer.routing import read_completions
@@ -37,12 +39,13 @@ from .commands import (
     shown,
     trainer_command,
     verify_command,
+    warm_up_command,
     wordle_command,
 )
 from .config import LocalConfig, env_kind
 from .errors import LaunchError, ProcessFailed
 from .staging import REPO_ROOT
-from .supervisor import ProcessSpec, Supervisor
+from .supervisor import Child, ProcessSpec, Supervisor
 
 __all__ = [
     "LocalPlan",
@@ -69,6 +72,7 @@ class LocalPlan:
     """The processes of a local run, in start order (services, then the trainer)."""
 
     prepare: ProcessSpec | None
+    warm_up: ProcessSpec  # compiles the codec's loops while the replicas start
     services: tuple[ProcessSpec, ...]
     trainer: ProcessSpec
     bucket: Path
@@ -203,8 +207,10 @@ def local_plan(cfg: LocalConfig, cores: Sequence[int] | None = None) -> LocalPla
             tuple(prepare_command(cfg.model, model_dir, cfg.seed)),
             env={"TRL_EXPERIMENTAL_SILENCE": "1"},
         )
+    warm_up = ProcessSpec("warm-up", tuple(warm_up_command(_encoding(cfg.trainer_args))))
     return LocalPlan(
         prepare,
+        warm_up,
         tuple(services),
         trainer,
         bucket,
@@ -223,25 +229,28 @@ def run_local(cfg: LocalConfig, echo: Callable[[str], None] = print) -> int:
         echo(f"warning: {warning}")
     if cfg.dry_run:
         echo(f"would run (bucket {plan.bucket}, logs {plan.run_dir / 'logs'}):")
-        for spec in (*([plan.prepare] if plan.prepare else []), *plan.services, plan.trainer):
+        prepare = [plan.prepare] if plan.prepare else []
+        for spec in (*prepare, plan.warm_up, *plan.services, plan.trainer):
             echo(f"  $ {shown(spec.argv)}")
         return 0
     check_ports(cfg)
     plan.bucket.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with Supervisor(log_dir=plan.run_dir / "logs", cwd=REPO_ROOT, verbose=cfg.verbose) as sup:
-        sup.say(f"run {cfg.run_name}: bucket {plan.bucket}, logs {plan.run_dir / 'logs'}")
-        sup.say(f"starting {', '.join(s.name for s in plan.services)} (a minute or two)")
+        sup.say(f"logs {plan.run_dir / 'logs'} (every process's whole output)")
+        names = ", ".join(s.name for s in plan.services)
+        sup.say(f"starting {names} and compiling the codec's loops (a minute or two)")
         early = [sup.start(s) for s in plan.services if not s.name.startswith("vllm-")]
         build_model(sup, plan, cfg)
         replicas = [sup.start(s) for s in plan.services if s.name.startswith("vllm-")]
+        warm_up = sup.start(plan.warm_up)
         sup.wait_ready([*early, *replicas], cfg.startup_timeout_s)
+        finish_warm_up(sup, warm_up)
         sup.say(
             f"all healthy in {time.monotonic() - started:.0f} s; dashboard at "
             f"{plan.dashboard_url}; training {cfg.steps} steps"
         )
         code = sup.wait_exit(sup.start(plan.trainer))
-        sup.say(f"trainer exited with status {code}")
     for line in summarize(plan, cfg, time.monotonic() - started, code):
         echo(line)
     return code
@@ -259,32 +268,66 @@ def build_model(sup: Supervisor, plan: LocalPlan, cfg: LocalConfig) -> None:
         _check_context(cfg.model_dir.resolve())
 
 
+def finish_warm_up(sup: Supervisor, warm_up: Child) -> None:
+    """Wait for the codec's loops to be compiled (usually done while the replicas started), so
+    that compiling them does not hold up the first versions."""
+    if sup.wait_exit(warm_up, _PREPARE_TIMEOUT_S) != 0:
+        raise ProcessFailed(
+            f"compiling the codec's loops failed:\n{warm_up.last_lines()}", name="warm-up"
+        )
+
+
+def _encoding(trainer_args: Sequence[str]) -> str:
+    """The trainer's `--encoding` when the run passes one, else the default."""
+    args = list(trainer_args)
+    for i, arg in enumerate(args):
+        if arg == "--encoding" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--encoding="):
+            return arg.split("=", 1)[1]
+    return ENCODING
+
+
 def summarize(plan: LocalPlan, cfg: LocalConfig, elapsed_s: float, code: int) -> list[str]:
     """What happened, read back from the bucket's metrics records, and where things are."""
-    from deltasync.wire.metrics import SyncRecord  # torch-free; imported when a run has ended
-
     records = []
     for path in sorted((plan.bucket / "runs" / cfg.run_name / "metrics").glob("*.json")):
         try:
             records.append(SyncRecord.from_json(path.read_bytes(), path=str(path)))
         except (OSError, ValueError):  # FormatError is a ValueError
             continue
-    verified: dict[str, int] = {}
-    for record in records:
-        for outcome in record.replicas:
-            verified[outcome.name] = verified.get(outcome.name, 0) + outcome.ok
-    per_replica = ", ".join(f"{n}: {k}/{len(records)}" for n, k in sorted(verified.items()))
     status = "done" if code == 0 else f"trainer failed (status {code})"
     view = shown(dashboard_command(str(plan.bucket), cfg.dashboard_port))
     return [
         f"{status} in {elapsed_s / 60:.1f} min: run {cfg.run_name}, {len(records)} versions "
-        f"published, verified by the replicas ({per_replica or 'none'})",
+        f"published",
+        *(f"{name}: {counts}" for name, counts in replica_outcomes(records).items()),
         f"bucket:    {plan.bucket}   ({shown(verify_command(str(plan.bucket)))})",
         f"dashboard: was {plan.dashboard_url}; view it again with: {view}",
         *_rollouts(plan),
         f"logs:      {plan.run_dir / 'logs'}",
         *(f"warning: {w}" for w in load_warnings(plan.run_dir / "trainer", cfg.run_name)),
     ]
+
+
+def replica_outcomes(records: Sequence[SyncRecord]) -> dict[str, str]:
+    """Per replica, what became of the versions: applied (and verified against what its engine
+    serves), superseded (it went straight to a newer one: nothing applied), failed."""
+    counts: dict[str, list[int]] = {}
+    for record in records:
+        for outcome in record.replicas:
+            applied, superseded, failed = counts.setdefault(outcome.name, [0, 0, 0])
+            if not outcome.ok:
+                failed += 1
+            elif outcome.superseded(record.version):
+                superseded += 1
+            else:
+                applied += 1
+            counts[outcome.name] = [applied, superseded, failed]
+    return {
+        name: f"{applied} versions applied and verified, {superseded} superseded, {failed} failed"
+        for name, (applied, superseded, failed) in sorted(counts.items())
+    }
 
 
 def _rollouts(plan: LocalPlan) -> list[str]:

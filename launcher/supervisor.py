@@ -30,7 +30,7 @@ from typing import TextIO
 
 from .errors import ProcessFailed
 
-__all__ = ["ProcessSpec", "Supervisor"]
+__all__ = ["Child", "ProcessSpec", "Supervisor"]
 
 _TAIL_LINES = 40
 _POLL_S = 0.5
@@ -56,7 +56,7 @@ class ProcessSpec:
     unhealthy_after_s: float = 15.0
 
 
-class _Child:
+class Child:
     def __init__(self, spec: ProcessSpec, proc: subprocess.Popen, log: TextIO | None):
         self.spec = spec
         self.proc = proc
@@ -91,7 +91,7 @@ class Supervisor:
         self.verbose = verbose
         self.log_dir = log_dir
         self.cwd = cwd
-        self.children: list[_Child] = []
+        self.children: list[Child] = []
         self._lock = threading.Lock()
         self._width = 9
         self._seen: dict[int, float] = {}  # descendants (pid -> create time), for the sweep
@@ -115,7 +115,7 @@ class Supervisor:
         if self.verbose or not detail:
             self._emit("launch", message)
 
-    def start(self, spec: ProcessSpec) -> _Child:
+    def start(self, spec: ProcessSpec) -> Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         log = None
         if self.log_dir is not None and not spec.console:  # a console process writes its own
@@ -130,7 +130,7 @@ class Supervisor:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        child = _Child(spec, proc, log)
+        child = Child(spec, proc, log)
         if spec.ready_line is None and spec.ready_url is None:
             child.ready.set()
         child.reader = threading.Thread(target=self._read, args=(child,), daemon=True)
@@ -139,7 +139,7 @@ class Supervisor:
         self._width = max(self._width, len(spec.name))
         return child
 
-    def wait_ready(self, children: Sequence[_Child], timeout_s: float) -> None:
+    def wait_ready(self, children: Sequence[Child], timeout_s: float) -> None:
         """Block until every child is ready; raises `ProcessFailed` when one exits or is late."""
         deadline = time.monotonic() + timeout_s
         pending = [c for c in children if not c.ready.is_set()]
@@ -160,7 +160,7 @@ class Supervisor:
                 )
             time.sleep(_POLL_S)
 
-    def wait_exit(self, child: _Child, timeout_s: float | None = None) -> int:
+    def wait_exit(self, child: Child, timeout_s: float | None = None) -> int:
         """Block until `child` exits and return its status; raises `ProcessFailed` if any
         other child dies first, or if `timeout_s` passes."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -214,7 +214,7 @@ class Supervisor:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
 
-    def _check_alive(self, child: _Child, when: str) -> None:
+    def _check_alive(self, child: Child, when: str) -> None:
         code = child.proc.poll()
         if code is not None:
             if child.reader is not None:
@@ -226,7 +226,7 @@ class Supervisor:
                 returncode=code,
             )
 
-    def _check_health(self, child: _Child, when: str) -> None:
+    def _check_health(self, child: Child, when: str) -> None:
         """Probe a ready child's `health_url` every `_PROBE_S`; fail once it has answered no
         200 for `unhealthy_after_s` (the process may still run: it is stopped with the rest)."""
         url, now = child.spec.health_url, time.monotonic()
@@ -247,7 +247,7 @@ class Supervisor:
                 name=child.spec.name,
             )
 
-    def _read(self, child: _Child) -> None:
+    def _read(self, child: Child) -> None:
         assert child.proc.stdout is not None
         for raw in iter(child.proc.stdout.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\r\n").rsplit("\r", 1)[-1]

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Install what `python launch.py --local --containers` and its tests need on Debian/Ubuntu: podman
 # with runc (crun refuses hybrid cgroups), netavark and aardvark-dns (containers reach each other
-# by name) and mmdebstrap (the stand-in base images are made from Debian packages). Needs root.
+# by name; netavark sets their networks up with iptables, which a slim machine may lack) and
+# mmdebstrap (the stand-in base images are made from Debian packages). Needs root.
 #   bash scripts/install-containers.sh
 set -euo pipefail
-packages=(podman runc uidmap mmdebstrap netavark aardvark-dns)
+packages=(podman runc uidmap mmdebstrap netavark aardvark-dns iptables)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

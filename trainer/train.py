@@ -407,12 +407,12 @@ def _train(args: argparse.Namespace) -> int:
     if sharded and not trainer.accelerator.is_main_process:
         publisher.close(timeout=600)  # rank 0's transfer closes its own
     lagging = sorted(transfer.state.lagging)
+    serving = ", ".join(f"{name} serves v{v}" for name, v in sorted(transfer.state.synced.items()))
     console.info(
-        "done: run %s, last version %s, replicas %s%s",
-        run_id,
+        "last version %s; %s%s",
         publisher.committed_version,
-        transfer.state.synced,
-        f", lagging {lagging}" if lagging else "",
+        serving or "no replica verified",
+        f"; lagging: {', '.join(lagging)}" if lagging else "",
     )
     if latency := transfer.latency_summary():
         console.info("%s", latency)

@@ -1,5 +1,6 @@
 """`python -m deltasync`: demo, inspect a file, verify a bucket's chain, materialise a checkpoint,
-export a version as a model repository, check a replica against a fresh load, remove garbage.
+export a version as a model repository, check a replica against a fresh load, remove garbage,
+compile the codec's loops ahead of a run.
 
 Examples:
     python -m deltasync demo --bucket ./bucket --steps 30
@@ -10,6 +11,7 @@ Examples:
     python -m deltasync export hf://buckets/me/rl --to me/qwen3-grpo --model Qwen/Qwen3-0.6B
     python -m deltasync gc ./bucket --delete
     python -m deltasync check ./bucket --replica http://127.0.0.1:8001
+    python -m deltasync warm-up
 
 User mistakes end in one line (`deltasync: error: ...`, exit status 1; `--debug` shows the
 traceback); argument errors are argparse's (exit status 2).
@@ -263,6 +265,12 @@ def _demo(args: argparse.Namespace) -> int:
     return 1 if run_demo(args.bucket, args.steps, args.lr, args.encoding) else 0
 
 
+def _warm_up(args: argparse.Namespace) -> int:
+    warm_up = import_tensor_side("deltasync.tools.warm").warm_up
+    print(f"codec loops compiled and cached ({args.encoding}): {warm_up(args.encoding):.1f} s")
+    return 0
+
+
 def _repo_id(text: str) -> str:
     from deltasync.tools.export.hub import validate_target
 
@@ -302,6 +310,14 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_export)
 
 
+_ENCODING_FLAG = ("--encoding",)
+_ENCODING_OPTIONS = {
+    "choices": ENCODINGS,
+    "default": ENCODING,
+    "help": "delta encoding (default %(default)s)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m deltasync",
@@ -316,13 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lr", type=learning_rate, default=1e-6, help="AdamW learning rate (default 1e-6)"
     )
-    p.add_argument(
-        "--encoding",
-        choices=ENCODINGS,
-        default=ENCODING,
-        help="delta encoding (default %(default)s)",
-    )
+    p.add_argument(*_ENCODING_FLAG, **_ENCODING_OPTIONS)
     p.set_defaults(run=_demo)
+    p = sub.add_parser(
+        "warm-up",
+        help="compile the codec's loops now (cached on disk), so a run's first versions are "
+        "not delayed by compilation",
+    )
+    p.add_argument(*_ENCODING_FLAG, **_ENCODING_OPTIONS)
+    p.set_defaults(run=_warm_up)
     p = sub.add_parser("inspect", help="print a file's metadata (reads only its header)")
     p.add_argument("file", help="local path or fsspec URL of an anchor or delta")
     p.add_argument("--tensors", action="store_true", help="list every tensor")

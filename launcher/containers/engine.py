@@ -187,11 +187,16 @@ def _write_if_changed(path: Path, text: str) -> None:
 
 
 def find_engine(which=shutil.which) -> Engine:
-    """Podman if it, runc and netavark are installed, else docker if its daemon answers; else
-    `EngineMissing` naming what is missing and the command that installs it."""
+    """Podman if it, runc, netavark and iptables (netavark's firewall tool) are installed, else
+    docker if its daemon answers; else `EngineMissing` naming what is missing and the command
+    that installs it."""
     missing = []
     if podman := which("podman"):
-        tools = {"runc": which("runc"), "netavark": _netavark(which)}
+        tools = {
+            "runc": which("runc"),
+            "netavark": _netavark(which),
+            "iptables": which("iptables") or which("/usr/sbin/iptables"),
+        }
         missing = [name for name, found in tools.items() if not found]
         if not missing:
             return _podman(podman)

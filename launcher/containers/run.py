@@ -38,7 +38,7 @@ from deltasync.store.local import current_umask
 from ..commands import shown
 from ..config import LocalConfig, env_kind
 from ..errors import LaunchError
-from ..local import LocalPlan, build_model, check_ports, local_plan, summarize
+from ..local import LocalPlan, build_model, check_ports, finish_warm_up, local_plan, summarize
 from ..staging import REPO_ROOT
 from ..supervisor import ProcessSpec, Supervisor
 from .bases import ensure_bases
@@ -265,7 +265,7 @@ def run_containers(cfg: LocalConfig, echo: Callable[[str], None] = _say) -> int:
 def _supervise(cfg, plan, specs, images, resources, engine, started) -> int:
     services = {s.name: s for s in plan.services}
     with Supervisor(log_dir=plan.run_dir / "logs", cwd=REPO_ROOT, verbose=cfg.verbose) as sup:
-        sup.say(f"run {cfg.run_name}: bucket {plan.bucket}, logs {plan.run_dir / 'logs'}")
+        sup.say(f"logs {plan.run_dir / 'logs'} (every process's whole output)")
         sup.say(
             f"starting {', '.join(s.role for s in specs)} as {engine.name} containers on network "
             f"{resources.network}; the replicas follow the bucket (the Space entrypoint's default)"
@@ -279,7 +279,9 @@ def _supervise(cfg, plan, specs, images, resources, engine, started) -> int:
         for spec in specs:
             check_readable(spec)
         replicas = [sup.start(p) for role, p in procs.items() if role.startswith("vllm-")]
+        warm_up = sup.start(plan.warm_up)  # for the trainer here; each image compiles its own
         sup.wait_ready([*early, *replicas], cfg.startup_timeout_s)
+        finish_warm_up(sup, warm_up)
         for spec in specs:
             sup.say(
                 check_conventions(
@@ -290,9 +292,7 @@ def _supervise(cfg, plan, specs, images, resources, engine, started) -> int:
             f"all healthy in {time.monotonic() - started:.0f} s; dashboard at "
             f"{plan.dashboard_url}; training {cfg.steps} steps"
         )
-        code = sup.wait_exit(sup.start(plan.trainer))
-        sup.say(f"trainer exited with status {code}")
-    return code
+        return sup.wait_exit(sup.start(plan.trainer))
 
 
 def _container_process(
@@ -324,10 +324,11 @@ def _dry_run(engine: Engine, plan: LocalPlan, specs: Sequence[ContainerSpec], ec
     )
     for spec in specs:
         ports = f"127.0.0.1:{spec.host_port}"
-        settings = ", ".join([*spec.variables, *(f"{k} (secret)" for k in spec.secrets)])
+        given = ", ".join([*spec.variables, *(f"{k} (secret)" for k in spec.secrets)])
         what = f"{engine.name} container of the {spec.kind} image"
-        echo(f"  {spec.role}: {what} on {ports} ({settings})")
+        echo(f"  {spec.role}: {what} on {ports} ({given})")
     if plan.prepare is not None:
         echo(f"  $ {shown(plan.prepare.argv)}")
+    echo(f"  $ {shown(plan.warm_up.argv)}")
     echo(f"  $ {shown(plan.trainer.argv)}")
     return 0

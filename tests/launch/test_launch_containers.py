@@ -29,7 +29,12 @@ def test_no_engine_names_what_is_missing_and_the_install_command():
     assert str(err.value).endswith(f"install it with: {INSTALL_COMMAND}")
 
     installed = {"podman": "/usr/bin/podman", "netavark": "/usr/bin/netavark"}
-    with pytest.raises(EngineMissing, match="podman is installed but runc is not; install it"):
+    with pytest.raises(EngineMissing, match="but runc and iptables are not; install it"):
+        find_engine(which=installed.get)
+    # a slim machine has podman's packages but no iptables: every build step with a network
+    # failed with "netavark: No such file or directory (os error 2)"
+    installed["runc"] = "/usr/bin/runc"
+    with pytest.raises(EngineMissing, match="podman is installed but iptables is not; install it"):
         find_engine(which=installed.get)
 
 

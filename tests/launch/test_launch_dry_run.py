@@ -135,8 +135,9 @@ def test_local_dry_run_prints_every_process_and_starts_none(hub, env):
     result = hub.launch("--local", "--env", env, "--replicas", "2", "--dry-run", "--steps", "3")
     assert result.code == 0, result.err
     lines = [x.strip() for x in result.out.splitlines() if x.strip().startswith("$ ")]
-    assert len(lines) == (6 if env == "wordle" else 5)
+    assert len(lines) == (7 if env == "wordle" else 6)
     assert any("from trainer.config import prepare_model" in x for x in lines)
+    assert any(x.endswith("-m deltasync warm-up --encoding ctx") for x in lines)
     assert any("wordle_env.server --host 127.0.0.1 --port 8002" in x for x in lines) == (
         env == "wordle"
     )

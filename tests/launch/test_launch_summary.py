@@ -31,19 +31,22 @@ def _record(version: int, *outcomes: ReplicaOutcome) -> SyncRecord:
     return record.with_sync(outcomes, sync_s=0.1, step=version - 1, reward_mean=None)
 
 
-def test_summary_counts_versions_each_replica_verified(tmp_path):
+def test_summary_counts_versions_each_replica_applied_skipped_or_failed(tmp_path):
     cfg = LocalConfig(workdir=tmp_path, run_name="r")
     plan = local_plan(cfg)
     ok0, ok1 = ReplicaOutcome("vllm-0", True, 1), ReplicaOutcome("vllm-1", True, 1)
     lagging = ReplicaOutcome("vllm-1", False, 2, error="timed out")
-    for record in (_record(1, ok0, ok1), _record(2, ok0, lagging), _record(3, ok0, ok1)):
+    past = ReplicaOutcome("vllm-0", True, 1, served_version=4)  # went straight to v4
+    records = (_record(1, ok0, ok1), _record(2, ok0, lagging), _record(3, past, ok1))
+    for record in records:
         path = plan.bucket / metrics_path("r", record.version)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(record.to_json())
     (plan.bucket / metrics_path("r", 4)).write_text('{"version": 4}')  # corrupt: not counted
     lines = summarize(plan, cfg, 90.0, 0)
-    assert lines[0] == (
-        "done in 1.5 min: run r, 3 versions published, verified by the replicas "
-        "(vllm-0: 3/3, vllm-1: 2/3)"
-    )
-    assert lines[1].startswith(f"bucket:    {plan.bucket}")
+    assert lines[:3] == [
+        "done in 1.5 min: run r, 3 versions published",
+        "vllm-0: 2 versions applied and verified, 1 superseded, 0 failed",
+        "vllm-1: 2 versions applied and verified, 0 superseded, 1 failed",
+    ]
+    assert lines[3].startswith(f"bucket:    {plan.bucket}")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -179,3 +182,13 @@ def test_gc_removes_uploads_a_killed_writer_left_once_they_are_old(bucket, tmp_p
     assert old.exists()  # a dry run
     assert main(["gc", str(tmp_path / "b"), "--delete", "--quiet"]) == 0
     assert not old.exists() and live.exists()
+
+
+def test_warm_up_compiles_and_checks_one_sync(capsys):
+    """`warm-up` runs a publish and a sync through a temporary bucket (the codec's loops are
+    compiled on the way) and says how long it took; it leaves nothing behind."""
+    before = set(Path(tempfile.gettempdir()).glob("deltasync-warm-up-*"))
+    assert main(["warm-up", "--encoding", "packed"]) == 0
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"codec loops compiled and cached \(packed\): \d+\.\d s\n", out), out
+    assert set(Path(tempfile.gettempdir()).glob("deltasync-warm-up-*")) == before
