@@ -43,6 +43,14 @@ class NotLoggedIn(HfCommandError):
     """`hf auth whoami` says no token is stored and HF_TOKEN is unset (or the token is invalid)."""
 
 
+class HubUnreachable(HfCommandError):
+    """The CLI could not reach the Hub (no network, DNS, a proxy); `reason` is its one line."""
+
+    def __init__(self, message: str, *, reason: str, argv: tuple[str, ...] = (), stderr: str = ""):
+        super().__init__(message, argv=argv, stderr=stderr)
+        self.reason = reason
+
+
 class PaymentRequired(HfCommandError):
     """The Hub answered 402: the hardware (or Docker Spaces) needs a payment method."""
 

@@ -22,6 +22,7 @@ from .errors import (
     MIN_HF_VERSION,
     HfCliMissing,
     HfCommandError,
+    HubUnreachable,
     NameTaken,
     NotLoggedIn,
     PaymentRequired,
@@ -185,12 +186,29 @@ def _error_line(stderr: str) -> str:
     return " ".join(lines[-3:]) or "no error message"
 
 
+# How an unreachable Hub shows in the CLI's traceback (httpx's ConnectError, DNS, a proxy).
+_UNREACHABLE = re.compile(
+    r"^\S*(ConnectError|ConnectTimeout|ProxyError|ConnectionError|NameResolutionError)"
+    r": (?P<reason>.+)$",
+    re.M,
+)
+
+
 def _explain(argv: tuple[str, ...], stderr: str) -> HfCommandError:
     """Turn a failed call into the error the user can act on."""
     message = _error_line(stderr)
     command = display(["hf", *argv])
     low = _ANSI.sub("", stderr).lower()
     target = next((a for a in argv[2:] if "/" in a and not a.startswith(("-", "/"))), "")
+    if found := list(_UNREACHABLE.finditer(_ANSI.sub("", stderr))):
+        reason = found[-1].group("reason").strip()[:200]
+        return HubUnreachable(
+            f"`{command}` could not reach the Hub ({reason}): check the network or a proxy "
+            "(HTTPS_PROXY) and re-run",
+            reason=reason,
+            argv=argv,
+            stderr=stderr,
+        )
     if "not logged in" in low or _status(low, 401, "unauthorized", "invalid credentials"):
         return NotLoggedIn(
             "not logged in to the Hugging Face Hub: run `hf auth login` (or set HF_TOKEN) "

@@ -21,7 +21,7 @@ from deltasync import settings
 
 from . import staging
 from .config import SpacesConfig
-from .errors import LaunchError, NameTaken, NotLoggedIn
+from .errors import HubUnreachable, LaunchError, NameTaken, NotLoggedIn
 from .hf import HfCli
 from .plan import (
     API_KEY_SECRET,
@@ -63,12 +63,15 @@ class Account:
 def login(hf: HfCli, namespace: str | None, echo: Callable[[str], None] = print) -> Account:
     """Check the CLI and the login; a dry run goes on without one."""
     hf.check_version()
+    why = "not logged in"
     try:
         who = hf.query("auth", "whoami")
-    except NotLoggedIn:
+    except (NotLoggedIn, HubUnreachable) as exc:
         if not hf.dry_run:
             raise
         who = None
+        if isinstance(exc, HubUnreachable):
+            why = f"the Hub is unreachable ({exc.reason})"
     user = who.get("user") if isinstance(who, dict) else None
     if not user:
         if not hf.dry_run:
@@ -77,7 +80,7 @@ def login(hf: HfCli, namespace: str | None, echo: Callable[[str], None] = print)
             )
         shown = namespace or PLACEHOLDER_NAMESPACE
         echo(
-            f"not logged in: showing the commands of a first launch under {shown} (no Space or "
+            f"{why}: showing the commands of a first launch under {shown} (no Space or "
             "bucket is looked up); run `hf auth login` before a real launch"
         )
         return Account(shown, None)
@@ -91,6 +94,21 @@ def login(hf: HfCli, namespace: str | None, echo: Callable[[str], None] = print)
     return Account(namespace or user, user)
 
 
+def _hardware(cfg: SpacesConfig, hf: HfCli, echo: Callable[[str], None]) -> Hardware:
+    """The Hub's hardware names; a dry run that cannot reach the Hub goes on with the flavors
+    asked for, unchecked, and says so."""
+    try:
+        return Hardware.from_cli(hf.query("spaces", "hardware"))
+    except HubUnreachable as exc:
+        if not hf.dry_run:
+            raise
+        flavors = (cfg.vllm_flavor, cfg.env_flavor, cfg.dashboard_flavor)
+        gpu = frozenset() if cfg.vllm_flavor.startswith("cpu") else frozenset({cfg.vllm_flavor})
+        taken = f"; {cfg.vllm_flavor} taken for a GPU" if gpu else ""
+        echo(f"the Hub is unreachable ({exc.reason}): hardware names not checked{taken}")
+        return Hardware(tuple(dict.fromkeys(flavors)), gpu)
+
+
 def api_key_file(cfg: SpacesConfig, namespace: str) -> Path:
     return cfg.workdir / f"api-key-{namespace}-{cfg.name}"
 
@@ -98,7 +116,7 @@ def api_key_file(cfg: SpacesConfig, namespace: str) -> Path:
 def deploy(cfg: SpacesConfig, hf: HfCli, echo: Callable[[str], None] = print) -> Deployment:
     """Create or update everything, wait until every Space runs; returns their URLs."""
     account = login(hf, cfg.namespace, echo)
-    hardware = Hardware.from_cli(hf.query("spaces", "hardware"))
+    hardware = _hardware(cfg, hf, echo)
     plan = make_plan(cfg, account.namespace, hardware.gpu)
     for spec in plan.spaces:  # before anything is made
         hardware.check(FLAVOR_OPTIONS[spec.kind], spec.flavor)

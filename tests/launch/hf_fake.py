@@ -70,6 +70,15 @@ HTTP_403 = (
     '"{ns}".\nCannot access content at: https://huggingface.co/api/repos/create.\n'
     "Make sure your token has the correct permissions.\n"
 )
+# What huggingface_hub 2.4's CLI prints when the Hub cannot be reached (its last lines, as
+# captured from `hf spaces hardware --format json` on a machine without DNS for the Hub).
+OFFLINE = (
+    "Traceback (most recent call last):\n"
+    '  File ".venv/lib/python3.11/site-packages/httpx2/_transports/default.py", line 112, in '
+    "map_httpcore_exceptions\n"
+    "    raise mapped_exc(message) from exc\n"
+    "httpx2.ConnectError: [Errno -2] Name or service not known\n"
+)
 
 
 class Fail(Exception):
@@ -135,6 +144,8 @@ def dispatch(state: dict, argv: list[str]):
     cmd = tuple(pos[:2])
     if pos[:1] == ["version"]:
         return {"version": state.get("version", "2.4.0")}
+    if state.get("offline"):  # the CLI itself runs; every call to the Hub fails
+        raise Fail(OFFLINE)
     if cmd == ("auth", "whoami"):
         if not state.get("user"):
             raise Fail("Error: Not logged in. Run `hf auth login` first.\n")

@@ -111,6 +111,39 @@ def test_dry_run_needs_no_login(hub, namespace):
     assert not hub.workdir.exists()  # no staged context, no key file
 
 
+@pytest.mark.parametrize("logged_in", [False, True])
+def test_dry_run_without_the_hub_prints_every_command(hub, logged_in):
+    """Offline (no DNS for the Hub) the dry run's read-only queries fail; each says so in one
+    line and every command is still printed, under a placeholder namespace, exit 0 (it exited
+    1 on the CLI's squashed httpx traceback and printed no bucket or Space command)."""
+    hub.update(offline=True, user="alice" if logged_in else None)
+    result = hub.launch("--model", MODEL, "--dry-run")
+    assert result.code == 0, result.err
+    out = result.out
+    reason = "[Errno -2] Name or service not known"
+    assert f"the Hub is unreachable ({reason}): showing the commands of a first launch" in out
+    assert f"the Hub is unreachable ({reason}): hardware names not checked; a10g-small" in out
+    assert "Traceback" not in out + result.err and "httpx" not in out + result.err
+    printed = result.commands()
+    creates = [c[2] for c in printed if c[:2] == ["repos", "create"]]
+    assert creates == [f"your-namespace/deltasync-{r}" for r in ("vllm-0", "wordle", "dashboard")]
+    assert ["buckets", "create", "your-namespace/deltasync-weights", "--exist-ok", *J] in printed
+    for argv in printed:
+        parse_hf(argv)
+    assert "would train with:" in out
+
+
+def test_a_real_launch_without_the_hub_is_one_line(hub):
+    hub.update(offline=True)
+    result = hub.launch("--model", MODEL, "--no-train")
+    assert result.code == 1
+    assert result.err.strip().splitlines() == [
+        "error: `hf auth whoami --format json` could not reach the Hub ([Errno -2] Name or "
+        "service not known): check the network or a proxy (HTTPS_PROXY) and re-run"
+    ]
+    assert hub.state["spaces"] == {} and hub.state["buckets"] == {}
+
+
 def test_teardown_dry_run_needs_no_login(hub):
     hub.update(user=None)
     result = hub.launch("--teardown", "--dry-run", "--namespace", "team", "--replicas", "2")
