@@ -45,7 +45,7 @@ from deltasync.kernels.state_hash import apply_changes, state_sums
 from deltasync.publisher.device_snapshot import DeviceSnapshot
 from deltasync.publisher.snapshot import Bf16Snapshot, digests_after
 from deltasync.replica.replica import Replica
-from deltasync.vllm_ext.apply.device import InPlaceSink
+from deltasync.vllm_ext.apply.inplace import InPlaceSink
 from deltasync.wire.digests import total
 
 from .gpu_common import GPU_SHAPES, device_of, shape_of

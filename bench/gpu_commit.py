@@ -32,8 +32,8 @@ import torch
 
 from deltasync.codec import DecodedFile, FileMetadata
 from deltasync.kernels.changes import TensorChange
-from deltasync.replica.replica import StagedFile
-from deltasync.vllm_ext.apply.device import InPlaceSink
+from deltasync.replica.sinks import StagedFile
+from deltasync.vllm_ext.apply.inplace import InPlaceSink
 from deltasync.wire.digests import StateDigest
 from deltasync.wire.metadata import TensorEntry
 

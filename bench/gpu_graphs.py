@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from deltasync.vllm_ext.apply.device import InPlaceSink
+from deltasync.vllm_ext.apply.inplace import InPlaceSink
 
 from .gpu_commit import _changes, _file, _meta
 from .gpu_common import part_main, shape_of

@@ -73,7 +73,8 @@ def qwen3_boxes_of(rank: int, size: int):
 
 def _run(args: argparse.Namespace) -> dict:
     from deltasync import Publisher, PublisherConfig
-    from deltasync.replica.replica import DictSink, Replica
+    from deltasync.replica.replica import Replica
+    from deltasync.replica.sinks import DictSink
     from deltasync.wire.digests import total
     from deltasync.wire.manifest import fetch_entry, read_manifest
     from deltasync.wire.policy import AnchorPolicy

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from deltasync.kernels.changes import Diff, TensorChange
     from deltasync.publisher.publisher import Publisher, PublisherConfig
     from deltasync.publisher.snapshot import Bf16Snapshot
-    from deltasync.replica.replica import DictSink, Replica, Sink
+    from deltasync.replica.replica import Replica
+    from deltasync.replica.sinks import DictSink, Sink
 
 __all__ = [
     "AnchorPolicy",
@@ -62,12 +63,12 @@ __all__ = [
 
 _TENSOR_SIDE = {
     "Bf16Snapshot": "publisher.snapshot",
-    "DictSink": "replica.replica",
+    "DictSink": "replica.sinks",
     "Diff": "kernels.changes",
     "Publisher": "publisher.publisher",
     "PublisherConfig": "publisher.publisher",
     "Replica": "replica.replica",
-    "Sink": "replica.replica",
+    "Sink": "replica.sinks",
     "TensorChange": "kernels.changes",
 }
 

@@ -130,8 +130,10 @@ class DeviceSnapshot:
     """A `Bf16Snapshot` (the host mirror) plus a bf16 reference on the parameters' device.
 
     `window` bounds the elements compared at a time; every copy to the host goes through
-    `to_host` (tests count its bytes).
+    `to_host` (tests count its bytes). A `detector.ChangeDetector`.
     """
+
+    hashes_inline = False
 
     def __init__(
         self,

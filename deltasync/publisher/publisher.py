@@ -19,6 +19,7 @@ from deltasync.kernels.boxes import Box, box_sums
 from deltasync.kernels.changes import Diff
 from deltasync.kernels.state_hash import apply_changes, state_sums
 from deltasync.publisher.checkpoint_names import CheckpointNames
+from deltasync.publisher.detector import ChangeDetector
 from deltasync.publisher.device_snapshot import DeviceSnapshot, detection_device
 from deltasync.publisher.shards import ShardGroup, local_rows, part_info, replay_rows, to_global
 from deltasync.publisher.snapshot import (
@@ -169,8 +170,9 @@ class Publisher:
         self._layout: dict[str, Box] | None = None  # sharded: this rank's rows
         self.last_parts: list[dict[str, float | int]] = []  # per rank (one unsharded), last version
         self._lock = threading.Lock()
-        self._snapshot: Bf16Snapshot | DeviceSnapshot | None = None
-        self._resumed = False  # the snapshot came from the bucket: detection not chosen yet
+        self._snapshot: ChangeDetector | None = None
+        # the state resumed from the bucket, until the first publish chooses its detection
+        self._resumed: Bf16Snapshot | None = None
         self._manifest: Manifest | None = None
         self._owner = RunOwner(store, config.run_id, takeover=config.takeover)
         self._claimed = False
@@ -214,12 +216,10 @@ class Publisher:
                     )
                 self._snapshot, diff = self._detector(captured, source), None
             else:
-                if self._resumed and isinstance(self._snapshot, Bf16Snapshot):
-                    self._snapshot = self._detector(self._snapshot, source)
+                if self._resumed is not None:
+                    self._snapshot = self._detector(self._resumed, source)
                 pending = [j.diff for j in self._pending if j.diff]
-                # the host scan hashes each tensor while its bytes are hot; the device mode copies
-                # only changes to the host, so the worker hashes its mirror instead
-                inline = self.shards is None and isinstance(self._snapshot, Bf16Snapshot)
+                inline = self.shards is None and self._snapshot.hashes_inline
                 diff = self._snapshot.diff(source, pending, digests=inline)
             version = (self.committed_version or 0) + len(self._pending) + 1
             job = _Job(version, diff, Future(), time.perf_counter() - started, time.time())
@@ -284,10 +284,10 @@ class Publisher:
         self._layout = layout
         return local
 
-    def _detector(self, host: Bf16Snapshot, source: NamedTensors) -> Bf16Snapshot | DeviceSnapshot:
+    def _detector(self, host: Bf16Snapshot, source: NamedTensors) -> ChangeDetector:
         """The host snapshot, or a device reference beside it (`change_detection`), chosen once
         per snapshot: an `auto` that changed its mind with versions in flight could not rewind."""
-        self._resumed = False
+        self._resumed = None
         device = detection_device(source, self.config.change_detection)
         return host if device is None else DeviceSnapshot(host, device)
 
@@ -330,8 +330,8 @@ class Publisher:
         manifest = self._taken_over
         if manifest is not None:
             try:
-                self._snapshot, self._sums = self._resume(manifest)
-                self._resumed = True
+                self._resumed, self._sums = self._resume(manifest)
+                self._snapshot = self._resumed
             except MissingFile as exc:  # retention of a newer owner, racing this takeover
                 raise PublishError(
                     f"run {manifest.run_id}: {exc.path} vanished while this publisher replayed "

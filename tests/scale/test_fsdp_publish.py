@@ -152,7 +152,7 @@ def test_moe_ranks_publish_checkpoint_tensors_that_vllm_replays(tmp_path, sharde
     from vllm_qwen3 import build_vllm_model
 
     from deltasync.tools.export.version import export
-    from deltasync.vllm_ext.apply.device import InPlaceSink
+    from deltasync.vllm_ext.apply.inplace import InPlaceSink
     from deltasync.vllm_ext.apply.layout import LayoutOf
 
     bucket, expected = sharded_moe_run / "bucket", sharded_moe_run / "exp"

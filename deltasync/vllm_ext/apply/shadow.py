@@ -31,7 +31,7 @@ import torch
 from deltasync.errors import ReloadError
 from deltasync.kernels.boxes import Boxes, box_sums
 from deltasync.kernels.state_hash import state_sums
-from deltasync.replica.replica import Shapes, StagedFile, next_state
+from deltasync.replica.sinks import Shapes, StagedFile, next_state
 from deltasync.vllm_ext.apply.fresh import fresh_modules
 from deltasync.vllm_ext.apply.layout import Layout
 from deltasync.vllm_ext.apply.swap import CpuGemmSwapper, NotSwappable, PackedModules, swappable

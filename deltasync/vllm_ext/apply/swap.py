@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltasync.errors import FormatError
-from deltasync.replica.replica import Shapes
+from deltasync.replica.sinks import Shapes
 from deltasync.vllm_ext.apply.layout import Layout
 
 __all__ = ["CpuGemmSwapper", "NotSwappable", "PackedModules", "swappable"]

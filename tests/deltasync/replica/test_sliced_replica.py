@@ -17,7 +17,8 @@ from deltasync.errors import DigestMismatch, FormatError
 from deltasync.kernels.boxes import Box, check_cover
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
-from deltasync.replica.replica import DictSink, Replica
+from deltasync.replica.replica import Replica
+from deltasync.replica.sinks import DictSink
 from deltasync.store import LocalStore
 from deltasync.wire.digests import total
 from deltasync.wire.manifest import fetch_entry, fetch_file, read_manifest

@@ -19,7 +19,7 @@ from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.replica.replica import Replica
 from deltasync.store import open_store
-from deltasync.vllm_ext.apply.device import InPlaceSink
+from deltasync.vllm_ext.apply.inplace import InPlaceSink
 from deltasync.wire.digests import tensor_digest
 from deltasync.wire.policy import AnchorPolicy
 from trainer.tiny_model import tiny_qwen3_config

@@ -26,7 +26,7 @@ from bench.vllm_standin import StandInQwen3, standin_layout
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.store import open_store
 from deltasync.store.latency import LatencyStore
-from deltasync.vllm_ext.apply.device import InPlaceSink
+from deltasync.vllm_ext.apply.inplace import InPlaceSink
 from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
 from deltasync.vllm_ext.server.control import ControlConfig, ControlError, ControlPlane
 from deltasync.wire.manifest import MANIFEST_PATH, read_manifest

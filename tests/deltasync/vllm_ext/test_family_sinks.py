@@ -29,7 +29,7 @@ from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.replica.replica import Replica
 from deltasync.store import open_store
 from deltasync.tools.export.version import export
-from deltasync.vllm_ext.apply.device import InPlaceSink
+from deltasync.vllm_ext.apply.inplace import InPlaceSink
 from deltasync.vllm_ext.apply.layout import LayoutOf
 from deltasync.vllm_ext.apply.shadow import ShadowSink, vllm_reloader
 from deltasync.vllm_ext.apply.swap import CpuGemmSwapper

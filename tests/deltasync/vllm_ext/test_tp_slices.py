@@ -17,7 +17,7 @@ from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.replica.replica import Replica
 from deltasync.store import open_store
-from deltasync.vllm_ext.apply.device import InPlaceSink
+from deltasync.vllm_ext.apply.inplace import InPlaceSink
 from deltasync.vllm_ext.apply.layout import layout_from_writes, record_writes, with_owners
 from deltasync.wire.digests import total
 from deltasync.wire.manifest import fetch_entry, read_manifest

@@ -31,7 +31,7 @@ import torch
 from deltasync.errors import FormatError, ReloadError
 from deltasync.kernels.boxes import Boxes, box_sums
 from deltasync.kernels.state_hash import device_sum
-from deltasync.replica.replica import Shapes, StagedFile
+from deltasync.replica.sinks import Shapes, StagedFile
 from deltasync.vllm_ext.apply.layout import Layout
 from deltasync.wire.digests import StateDigest
 
