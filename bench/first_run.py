@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         "second": second,
         "p95_first_over_second": ratio,
     }
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     for run in ("first", "second"):
         r = result[run]
         print(f"{run}: {r['wall_s']} s, replicas {r['replicas']}, p95 {r['latency_p95_s']} s")
