@@ -64,6 +64,7 @@ TOOL_CONTEXT = 4096
 _TINY_VLLM_ARGS = "--max-model-len 512 --max-num-seqs 16 --disable-log-stats"
 _VLLM_ARGS = f"--max-model-len {TOOL_CONTEXT} --max-num-seqs 16 --disable-log-stats"
 _PREPARE_TIMEOUT_S = 600.0
+LATEST = "latest"  # <workdir>/latest -> the last run's folder
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
@@ -235,6 +236,7 @@ def run_local(cfg: LocalConfig, echo: Callable[[str], None] = print) -> int:
         return 0
     check_ports(cfg)
     plan.bucket.mkdir(parents=True, exist_ok=True)
+    mark_latest(plan.run_dir)
     started = time.monotonic()
     with Supervisor(log_dir=plan.run_dir / "logs", cwd=REPO_ROOT, verbose=cfg.verbose) as sup:
         sup.say(f"logs {plan.run_dir / 'logs'} (every process's whole output)")
@@ -266,6 +268,21 @@ def build_model(sup: Supervisor, plan: LocalPlan, cfg: LocalConfig) -> None:
         raise ProcessFailed(f"building the model failed:\n{prep.last_lines()}", name="prepare")
     if env_kind(cfg.env) != "sanity" and cfg.vllm_args is None:
         _check_context(cfg.model_dir.resolve())
+
+
+def mark_latest(run_dir: Path) -> None:
+    """`<workdir>/latest` names this run's folder, so the last run's bucket and logs have one
+    path (`out/local/latest/bucket`, README's examples)."""
+    if run_dir.name == LATEST:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    link, staged = run_dir.parent / LATEST, run_dir.parent / f".{LATEST}-{os.getpid()}"
+    staged.unlink(missing_ok=True)
+    staged.symlink_to(run_dir.name)
+    try:
+        os.replace(staged, link)
+    except OSError:  # a real folder of that name (a run called latest): leave it be
+        staged.unlink(missing_ok=True)
 
 
 def finish_warm_up(sup: Supervisor, warm_up: Child) -> None:

@@ -155,8 +155,14 @@ def _verify(args: argparse.Namespace) -> int:
             f"{replica.state_digest}",
             path=args.bucket,
         )
+    retired = (
+        f"; versions 1..{oldest.version - 1} were retired by the anchor policy"
+        if oldest.version > 1
+        else ""
+    )
     print(
-        f"ok: run {manifest.run_id}, versions {oldest.version}..{manifest.latest_version}, "
+        f"ok: run {manifest.run_id}, versions {oldest.version}..{manifest.latest_version} "
+        f"replayed from the oldest anchor the bucket keeps{retired}: "
         f"{len(manifest.anchors)} anchors and {len(manifest.deltas)} deltas verified "
         f"(state digest {recomputed})"
     )

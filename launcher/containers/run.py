@@ -38,7 +38,15 @@ from deltasync.store.local import current_umask
 from ..commands import shown
 from ..config import LocalConfig, env_kind
 from ..errors import LaunchError
-from ..local import LocalPlan, build_model, check_ports, finish_warm_up, local_plan, summarize
+from ..local import (
+    LocalPlan,
+    build_model,
+    check_ports,
+    finish_warm_up,
+    local_plan,
+    mark_latest,
+    summarize,
+)
 from ..staging import REPO_ROOT
 from ..supervisor import ProcessSpec, Supervisor
 from .bases import ensure_bases
@@ -238,6 +246,7 @@ def run_containers(cfg: LocalConfig, echo: Callable[[str], None] = _say) -> int:
             "containers run as uid 1000: run with `umask 022`"
         )
     plan.bucket.mkdir(parents=True, exist_ok=True)
+    mark_latest(plan.run_dir)
     started = time.monotonic()
     build_dir = plan.run_dir / "images"
     build_dir.mkdir(parents=True, exist_ok=True)

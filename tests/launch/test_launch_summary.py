@@ -5,7 +5,7 @@ from __future__ import annotations
 from deltasync.wire.manifest import metrics_path
 from deltasync.wire.metrics import ReplicaOutcome, SyncRecord
 from launcher.config import LocalConfig
-from launcher.local import local_plan, summarize
+from launcher.local import local_plan, mark_latest, summarize
 
 
 def _record(version: int, *outcomes: ReplicaOutcome) -> SyncRecord:
@@ -50,3 +50,15 @@ def test_summary_counts_versions_each_replica_applied_skipped_or_failed(tmp_path
         "vllm-1: 2 versions applied and verified, 0 superseded, 1 failed",
     ]
     assert lines[3].startswith(f"bucket:    {plan.bucket}")
+
+
+def test_latest_names_the_last_runs_folder(tmp_path):
+    """README's examples after the quick start use `out/local/latest/bucket`."""
+    for run in ("local-1", "local-2"):
+        (tmp_path / run / "bucket").mkdir(parents=True)
+        mark_latest(tmp_path / run)
+    assert (tmp_path / "latest").resolve() == (tmp_path / "local-2").resolve()
+    assert (tmp_path / "latest" / "bucket").is_dir()
+    mark_latest(tmp_path / "latest")  # a run of that name keeps its folder
+    assert (tmp_path / "latest").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "local-1", "local-2"]
