@@ -104,9 +104,6 @@ class Setting(Generic[T]):
         except ValueError as exc:
             raise SettingError(f"{self.name} {exc} (got {raw[:40]!r})") from None
 
-    def is_set(self, environ: Mapping[str, str] | None = None) -> bool:
-        return bool((os.environ if environ is None else environ).get(self.name, "").strip())
-
 
 API_KEY = Setting(
     "DELTASYNC_API_KEY",

@@ -14,6 +14,7 @@ replicas' URLs (`DELTASYNC_REPLICAS`, as on Spaces) for its lag view: their `/he
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import secrets
@@ -296,13 +297,9 @@ def finish_warm_up(sup: Supervisor, warm_up: Child) -> None:
 
 def _encoding(trainer_args: Sequence[str]) -> str:
     """The trainer's `--encoding` when the run passes one, else the default."""
-    args = list(trainer_args)
-    for i, arg in enumerate(args):
-        if arg == "--encoding" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--encoding="):
-            return arg.split("=", 1)[1]
-    return ENCODING
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--encoding", default=ENCODING)
+    return parser.parse_known_args(list(trainer_args))[0].encoding
 
 
 def summarize(plan: LocalPlan, cfg: LocalConfig, elapsed_s: float, code: int) -> list[str]:

@@ -62,3 +62,11 @@ def test_latest_names_the_last_runs_folder(tmp_path):
     mark_latest(tmp_path / "latest")  # a run of that name keeps its folder
     assert (tmp_path / "latest").is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "local-1", "local-2"]
+
+
+def test_the_warm_up_compiles_the_encoding_the_trainer_is_given(tmp_path):
+    for trainer_args, encoding in (((), "ctx"), (("--encoding", "ans"), "ans")):
+        plan = local_plan(LocalConfig(workdir=tmp_path, trainer_args=trainer_args))
+        assert plan.warm_up.argv[-3:] == ("warm-up", "--encoding", encoding)
+    plan = local_plan(LocalConfig(workdir=tmp_path, trainer_args=("--encoding=packed",)))
+    assert plan.warm_up.argv[-1] == "packed"
