@@ -158,6 +158,21 @@ def test_a_broken_context_fails_at_its_dockerfile_step(built, tmp_path):
     assert str(tmp_path / "build-wordle.log") in message
 
 
+def test_a_new_commit_rebuilds_no_install_layer(built, tmp_path):
+    """BUILD_INFO.json names the commit and the card is the Space repo's own: a context that
+    differs from the built one in those alone (every commit, for the Wordle Space) takes its
+    `pip install` from the cache (`.dockerignore`)."""
+    context = stage("wordle", tmp_path / "wordle")
+    for name in ("BUILD_INFO.json", "README.md"):
+        (context / name).write_text((context / name).read_text() + f"\n{secrets.token_hex(8)}\n")
+    image = build_space_image(built.engine, "wordle", tmp_path, built.bases, print, context=context)
+    assert image.tag != built.images["wordle"].tag  # a new context: built, not reused
+    log = (tmp_path / "build-wordle.log").read_text()
+    steps = re.findall(r"^STEP \d+/\d+: (.*)\n(--> Using cache)?", log, re.MULTILINE)
+    installs = [cached or "built" for step, cached in steps if step.startswith("RUN pip install")]
+    assert installs == ["--> Using cache"], log
+
+
 def test_a_failed_start_leaves_no_container_network_or_secret(built, tmp_path):
     """vLLM refuses an unknown flag at start-up: the launcher says which part failed and removes
     everything it made (as on Ctrl-C, the same `finally`)."""
