@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from deltasync.codec.rans import decode_gaps, decode_integers, encode_gaps, encode_integers
+from deltasync.codec.registry import TensorToDecode, register_codec
 from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Box, held_indices
 from deltasync.kernels.changes import WORKERS, TensorChange
@@ -119,3 +120,13 @@ def decode_tensor(
         torch.from_numpy(values).view(torch.bfloat16),
         torch.from_numpy(previous).view(torch.bfloat16),
     )
+
+
+def _decode(one: TensorToDecode) -> TensorChange:
+    gaps, vals = one.arrays
+    return decode_tensor(gaps, vals, one.changed, one.target, offset=one.offset, box=one.box)
+
+
+register_codec(
+    "ans", encode=lambda changes, shapes, base, rows: encode_changes(changes), decode=_decode
+)

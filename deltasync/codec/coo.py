@@ -7,6 +7,7 @@ import math
 import numpy as np
 import torch
 
+from deltasync.codec.registry import TensorToDecode, register_codec
 from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Box
 from deltasync.kernels.changes import TensorChange, gather
@@ -69,3 +70,18 @@ def decode_tensor(
         values = values[kept if isinstance(kept, slice) else torch.from_numpy(kept)]
     # values of the file's own bytes (a view, `codec.files`): the change gets its own copy
     return TensorChange(idx, values.clone(), gather(base, idx))
+
+
+def _decode(one: TensorToDecode) -> TensorChange:
+    indices, values = one.arrays
+    if indices.numel() != one.changed:
+        raise FormatError(f"{indices.numel()} changes, metadata says {one.changed}")
+    return decode_tensor(indices, values, one.target, offset=one.offset, box=one.box)
+
+
+register_codec(
+    "coo",
+    encode=lambda changes, shapes, base, rows: encode_changes(changes, shapes),
+    decode=_decode,
+    steps_from_base=False,  # the new values themselves
+)

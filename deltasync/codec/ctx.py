@@ -29,6 +29,7 @@ import torch
 from deltasync.codec.ans import _codes as value_codes
 from deltasync.codec.ans import raw_bits_for
 from deltasync.codec.rans import _get_leb128, _put_leb128, decode_integers, encode_integers
+from deltasync.codec.registry import TensorToDecode, register_codec
 from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Box
 from deltasync.kernels.changes import WORKERS, TensorChange, bits
@@ -617,3 +618,24 @@ def _find(classes, wanted, carry, first_row, first_col, origin, w, groups):
         empty = torch.zeros(0, dtype=torch.int64, device=classes.device)
         return empty, empty
     return torch.cat(index), torch.cat(entries)
+
+
+def _encode(changes, shapes, base, rows) -> dict[str, torch.Tensor]:
+    if base is None:
+        raise ValueError("the ctx encoding codes against the base: pass `base`")
+    return encode_changes(changes, base, shapes, rows)
+
+
+def _decode(one: TensorToDecode) -> TensorChange:
+    (blob,) = one.arrays
+    if one.held is not None:  # classes and ranks where the base lives
+        held, staged = one.held.held(one.name)
+        return decode_on_device(
+            blob, one.changed, held, one.shape, staged=staged, rows=one.rows, box=one.box
+        )
+    return decode_tensor(
+        blob, one.changed, one.target, one.shape, rows=one.rows, offset=one.offset, box=one.box
+    )
+
+
+register_codec("ctx", encode=_encode, decode=_decode, needs_base=True, device_decode=True)

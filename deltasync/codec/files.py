@@ -15,8 +15,9 @@ from typing import Protocol, runtime_checkable
 import safetensors.torch
 import torch
 
-from deltasync.codec import ans, coo, ctx, packed
+from deltasync.codec import ans, coo, ctx, packed  # noqa: F401  (each registers its codec)
 from deltasync.codec.anchors import read_anchor
+from deltasync.codec.registry import TensorToDecode, codec_of
 from deltasync.codec.virtual import source_tensors
 from deltasync.defaults import ENCODING
 from deltasync.errors import FormatError
@@ -46,14 +47,6 @@ __all__ = [
     "encode_delta",
     "encode_virtual_anchor",
 ]
-
-_SUFFIXES = {
-    "ans": (".gaps", ".vals"),
-    "ctx": (".ctx",),
-    "packed": (".gaps", ".vals"),
-    "coo": (".indices", ".values"),
-}
-_DTYPES = {"ans": ("U8", "U8"), "ctx": ("U8",), "packed": ("U8", "U8"), "coo": ("I32", "BF16")}
 
 
 @runtime_checkable
@@ -227,6 +220,7 @@ def encode_delta(
     validate_run_id(run_id)
     if encoding not in ENCODINGS:
         raise FormatError(f"unknown encoding {encoding!r}; known: {', '.join(ENCODINGS)}")
+    codec = codec_of(encoding)
     if base_version != version - 1:  # readers refuse anything else (bucket_layout.md)
         raise FormatError(f"base_version {base_version} must be version - 1 ({version - 1})")
     entries = {
@@ -249,15 +243,8 @@ def encode_delta(
         state_digest=state_digest,  # type: ignore[arg-type]
         part=part,
     )
-    if encoding == "coo":
-        payload = coo.encode_changes(diff.changes, diff.shapes)
-    elif encoding == "ctx":
-        if base is None:
-            raise ValueError("the ctx encoding codes against the base: pass `base`")
-        rows = None if part is None else {n: part.rows[n] for n in diff.changes}
-        payload = ctx.encode_changes(diff.changes, base, diff.shapes, rows)
-    else:
-        payload = (ans if encoding == "ans" else packed).encode_changes(diff.changes)
+    rows = None if part is None else {n: part.rows[n] for n in diff.changes}
+    payload = codec.encode(diff.changes, diff.shapes, base, rows)
     return safetensors.torch.save(payload, metadata=meta.to_strings())
 
 
@@ -442,7 +429,8 @@ def _check_anchor_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> None
 
 def _check_delta_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> list[str]:
     """The changed tensor names, once key set, dtypes and 1-D shapes match the encoding."""
-    suffixes = _SUFFIXES[meta.encoding]
+    wire = codec_of(meta.encoding).wire
+    suffixes = wire.suffixes
     first = suffixes[0]
     names = [k[: -len(first)] for k in infos if k.endswith(first)]
     expected = {n + suffix for n in names for suffix in suffixes}
@@ -456,7 +444,7 @@ def _check_delta_keys(meta: FileMetadata, infos: dict[str, TensorInfo]) -> list[
             f"changed tensors {sorted(set(names) ^ declared)[:5]} disagree with metadata"
         )
     for name in names:
-        for suffix, dtype in zip(suffixes, _DTYPES[meta.encoding], strict=True):
+        for suffix, dtype in zip(suffixes, wire.dtypes, strict=True):
             info = infos[name + suffix]
             if info.dtype != dtype or len(info.shape) != 1:
                 raise FormatError(
@@ -491,30 +479,20 @@ def _decode_one(
             )
     elif offsets is None and entry.shape != held:
         raise FormatError(f"shape {entry.shape} differs from the reader's {held}", tensor=name)
+    codec = codec_of(meta.encoding)
+    one = TensorToDecode(
+        name,
+        tuple(tensors[name + suffix] for suffix in codec.wire.suffixes),
+        entry.changed,
+        entry.shape,
+        target,
+        rows=None if meta.part is None else meta.part.rows[name],
+        offset=offset,
+        box=box,
+        held=gathering if codec.device_decode else None,
+    )
     try:
-        if meta.encoding in ("ans", "packed"):
-            module = ans if meta.encoding == "ans" else packed
-            gaps, vals = tensors[f"{name}.gaps"], tensors[f"{name}.vals"]
-            change = module.decode_tensor(gaps, vals, entry.changed, target, offset=offset, box=box)
-        elif meta.encoding == "ctx":
-            rows = None if meta.part is None else meta.part.rows[name]
-            blob = tensors[f"{name}.ctx"]
-            if gathering is not None:  # classes and ranks where the base lives
-                held, staged = gathering.held(name)
-                change = ctx.decode_on_device(
-                    blob, entry.changed, held, entry.shape, staged=staged, rows=rows, box=box
-                )
-            else:
-                change = ctx.decode_tensor(
-                    blob, entry.changed, target, entry.shape, rows=rows, offset=offset, box=box
-                )
-        else:
-            indices = tensors[f"{name}.indices"]
-            if indices.numel() != entry.changed:
-                raise FormatError(f"{indices.numel()} changes, metadata says {entry.changed}")
-            change = coo.decode_tensor(
-                indices, tensors[f"{name}.values"], target, offset=offset, box=box
-            )
+        change = codec.decode(one)
     except FormatError as exc:
         raise FormatError(str(exc), tensor=name) from None
     if box is None and change.indices.numel() != entry.changed:
@@ -523,7 +501,7 @@ def _decode_one(
         )
     if gathering is None:
         return change
-    return _rebased(change, gathering.gather(name, change.indices), meta.encoding)
+    return _rebased(change, gathering.gather(name, change.indices), codec.steps_from_base)
 
 
 def _zeros(shape: tuple[int, ...]) -> torch.Tensor:
@@ -531,16 +509,16 @@ def _zeros(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.zeros((), dtype=torch.bfloat16).expand(shape)
 
 
-def _rebased(change: TensorChange, previous: torch.Tensor, encoding: str) -> TensorChange:
+def _rebased(change: TensorChange, previous: torch.Tensor, steps: bool) -> TensorChange:
     """A change decoded against zeros, given the base's values at its indices.
 
-    The encodings of today code each value either as a step from the base's value modulo
-    2**16 (ans, packed: against zeros they decode to the steps, and every check they make is
-    on the steps and indices, not on the base) or as itself (coo); so decoding against zeros and
-    then adding the base's values at the changed indices gives what decoding against the whole
-    base gives, reading the base only there.
+    A codec codes each value either as a step from the base's value modulo 2**16 (`steps`:
+    against zeros it decodes to the steps, and every check it makes is on the steps and
+    indices, not on the base) or as itself; so decoding against zeros and then adding the
+    base's values at the changed indices gives what decoding against the whole base gives,
+    reading the base only there.
     """
     values = change.values
-    if encoding != "coo":
+    if steps:
         values = torch.from_numpy(bits(previous) + bits(change.values)).view(torch.bfloat16)
     return TensorChange(change.indices, values, previous)

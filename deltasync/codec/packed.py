@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from deltasync.codec.registry import TensorToDecode, register_codec
 from deltasync.codec.varint import gap_varints, indices_from_gaps, step_varints, values_from_steps
 from deltasync.errors import FormatError
 from deltasync.kernels.boxes import Box, held_indices
@@ -99,3 +100,13 @@ def decode_tensor(
         torch.from_numpy(values).view(torch.bfloat16),
         torch.from_numpy(previous).view(torch.bfloat16),
     )
+
+
+def _decode(one: TensorToDecode) -> TensorChange:
+    gaps, vals = one.arrays
+    return decode_tensor(gaps, vals, one.changed, one.target, offset=one.offset, box=one.box)
+
+
+register_codec(
+    "packed", encode=lambda changes, shapes, base, rows: encode_changes(changes), decode=_decode
+)

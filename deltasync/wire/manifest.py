@@ -13,6 +13,7 @@ from typing import Any, Literal
 from deltasync.errors import ChainError, FormatError, StoreError
 from deltasync.store import MissingFile, RefusedObject, Store, validate_path
 from deltasync.wire.digests import StateDigest, bytes_digest, total
+from deltasync.wire.encodings import holds_weights
 from deltasync.wire.fields import is_int, keys_exactly
 from deltasync.wire.header import header_budget
 from deltasync.wire.metadata import (
@@ -125,7 +126,7 @@ class ChainEntry:
     def fetch_bytes(self) -> int:
         """What a reader downloads to apply it: its files, or for a virtual anchor (a file that
         names a checkpoint) the model's bf16 bytes, read from that checkpoint."""
-        return 2 * self.changed_elements if self.encoding == "virtual" else self.bytes
+        return self.bytes if holds_weights(self.encoding) else 2 * self.changed_elements
 
     @property
     def files(self) -> tuple[PartRef, ...]:
@@ -512,7 +513,7 @@ def fetch_entry(
     for file in entry.files:  # every part before the first byte of any
         check_declared_size(entry, file, shapes)
     tensors = len(shapes) if shapes else None
-    if entry.kind == "anchor" and entry.encoding != "virtual":
+    if entry.kind == "anchor" and holds_weights(entry.encoding):
         found: tuple[bytes | StoredFile, ...] = tuple(
             open_stored(store, file, entry, tensors=tensors) for file in entry.files
         )

@@ -7,17 +7,17 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol
+from typing import Protocol
 
 from deltasync.errors import FormatError
 from deltasync.wire.digests import ALGORITHM as STATE_DIGEST_ALGORITHM
 from deltasync.wire.digests import DIGEST_ALGORITHM, StateDigest, total
+from deltasync.wire.encodings import Kind, spec_of, tags
 from deltasync.wire.fields import is_int, keys_exactly
 from deltasync.wire.header import SafetensorsHeader, parse_header, parse_header_bytes
 from deltasync.wire.source import ModelSource
 
 __all__ = [
-    "ANCHOR_ENCODINGS",
     "ENCODINGS",
     "MAX_PARTS",
     "PROTOCOL",
@@ -40,10 +40,7 @@ PROTOCOL = "deltasync/6"  # bump on any change of the wire format (bucket_layout
 # 5: before `ctx` deltas
 READABLE_PROTOCOLS = (*(f"deltasync/{n}" for n in range(1, 6)), PROTOCOL)
 _PROTOCOL = re.compile(r"deltasync/([1-9][0-9]{0,5})")
-ENCODINGS = ("ans", "ctx", "packed", "coo")  # delta encodings; anchors are "full"
-Kind = Literal["anchor", "delta"]
-Encoding = Literal["full", "virtual", "coo", "packed", "ans", "ctx"]
-ANCHOR_ENCODINGS = ("full", "virtual")  # virtual: the weights are read from a named checkpoint
+ENCODINGS = tags("delta")  # what a writer may choose (`wire.encodings` registers them)
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEX128 = re.compile(r"[0-9a-f]{32}")
 _MAX_VERSION = 2**53
@@ -120,7 +117,7 @@ class FileMetadata:
     version: int
     base_version: int | None
     kind: Kind
-    encoding: Encoding
+    encoding: str  # a tag `wire.encodings` registers
     tensors: dict[str, TensorEntry]
     legacy: bool = False
     declared: tuple[int, int] | None = None  # TRL v1 delta: (total, changed) elements
@@ -175,21 +172,15 @@ class FileMetadata:
         if self.base_version is not None:
             out["base_version"] = str(self.base_version)
         if self.kind == "anchor":
-            out |= {"format": "pt", "sparse": "False"}
+            out["sparse"] = "False"
         else:
             out |= {"sparse": "True", "changed_params": json.dumps(changed)}
-        if self.encoding == "coo":
-            out |= {"format": "sparse_weight_patch", "version": "1"}
-        elif self.encoding == "packed":
-            out |= {"format": "deltasync_packed", "packed": "leb128-gap+zigzag-bitdiff/zstd"}
-        elif self.encoding == "ans":
-            out |= {"format": "deltasync_ans", "ans": "rans14-gap+zigzag-bitdiff"}
-        elif self.encoding == "ctx":
-            out |= {"format": "deltasync_ctx", "ctx": "exponent-groups/tiles/rans14"}
-        elif self.encoding == "virtual":  # no loader may take it for a checkpoint: it holds none
+        spec = spec_of(self.encoding)
+        out |= spec.metadata
+        if not spec.holds_weights:  # it names where they are
             if self.source is None:
-                raise ValueError("a virtual anchor names its model source")
-            out |= {"format": "deltasync_virtual", "source": self.source.to_json()}
+                raise ValueError(f"a {self.encoding} file names its model source")
+            out["source"] = self.source.to_json()
         if self.part is not None:  # no loader may take one part for a whole checkpoint or patch
             rows = {n: list(r) for n, r in self.part.rows.items()}
             out |= {
@@ -221,11 +212,7 @@ class FileMetadata:
                 raise FormatError(f"unsupported state digest {algorithm!r}", path=path)
             state_digest = StateDigest.parse(meta.get("state_digest"), path=path)
         kind = _choice(meta, "kind", ("anchor", "delta"), path)
-        if kind == "anchor":
-            encodings = ANCHOR_ENCODINGS if protocol >= 4 else ("full",)
-        else:
-            encodings = ENCODINGS if protocol >= 6 else tuple(e for e in ENCODINGS if e != "ctx")
-        encoding = _choice(meta, "encoding", encodings, path)
+        encoding_tag = _choice(meta, "encoding", tags(kind, protocol), path)
         version = _int(meta, "model_version", path, minimum=1)
         base = _int(meta, "base_version", path, minimum=0) if kind == "delta" else None
         if base is not None and base != version - 1:
@@ -239,9 +226,9 @@ class FileMetadata:
         tensors = _tensor_entries(meta, path, digests_optional=sharded)
         part = _part_info(meta, tensors, path) if sharded else None
         source = None
-        if encoding == "virtual":
+        if not spec_of(encoding_tag).holds_weights:
             if part is not None:
-                raise FormatError("a virtual anchor is never sharded", path=path)
+                raise FormatError(f"a {encoding_tag} anchor is never sharded", path=path)
             try:
                 source = ModelSource.from_json(meta.get("source"))
             except FormatError as exc:
@@ -251,7 +238,7 @@ class FileMetadata:
             version,
             base,
             kind,
-            encoding,
+            encoding_tag,
             tensors,
             state_digest=state_digest,
             part=part,

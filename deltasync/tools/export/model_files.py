@@ -9,6 +9,7 @@ from pathlib import Path
 
 from deltasync.errors import ExportError
 from deltasync.store import Store
+from deltasync.wire.encodings import holds_weights
 from deltasync.wire.manifest import Manifest, fetch_entry
 from deltasync.wire.metadata import ParsedFile
 from deltasync.wire.source import ModelSource
@@ -87,7 +88,7 @@ def _named_model(model: str) -> ModelFiles:
 def _recorded_source(store: Store, manifest: Manifest) -> ModelSource | None:
     """The checkpoint a retained virtual anchor names (a small file), if there is one."""
     for entry in manifest.anchors:
-        if entry.encoding == "virtual" and entry.parts is None:
+        if not holds_weights(entry.encoding) and entry.parts is None:
             data = fetch_entry(store, entry)
             assert isinstance(data, bytes)  # an entry without parts is one file
             return ParsedFile.parse(data, path=entry.path).meta.source
