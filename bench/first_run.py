@@ -11,7 +11,6 @@ files come first on its path, so nothing is imported or cached from this checkou
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.output import report
 from deltasync.arguments import json_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,6 +56,25 @@ def run_once(clone: Path, name: str) -> dict:
     }
 
 
+def table(result: dict) -> str:
+    """The two runs side by side, as BENCHMARKS.md shows them."""
+    rows = [
+        "| run | wall | vllm-0: applied / superseded / failed | latency p50 / p95 |",
+        "|---|---|---|---|",
+    ]
+    what = {
+        "first": "first (compiles the codec's loops while the replica starts)",
+        "second": "second (everything cached)",
+    }
+    for run, label in what.items():
+        r = result[run]
+        counts = r["replicas"]["vllm-0"]
+        outcome = f"{counts['applied']} / {counts['superseded']} / {counts['failed']}"
+        latency = f"{r['latency_p50_s']} / {r['latency_p95_s']} s"
+        rows.append(f"| {label} | {r['wall_s']} s | {outcome} | {latency} |")
+    return "\n".join(rows) + f"\n\np95 first / second: {result['p95_first_over_second']}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.first_run", description=__doc__.split("\n\n")[0]
@@ -87,11 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "second": second,
         "p95_first_over_second": ratio,
     }
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    for run in ("first", "second"):
-        r = result[run]
-        print(f"{run}: {r['wall_s']} s, replicas {r['replicas']}, p95 {r['latency_p95_s']} s")
-    print(f"p95 first / second: {ratio}")
+    report(table(result), result, str(args.json))
     return 0
 
 

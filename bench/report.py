@@ -1,0 +1,203 @@
+"""Every figure table in README.md and BENCHMARKS.md, from the JSON in bench/results/ it came from.
+
+A figure table follows a marker naming its source, the n-th table (from 1) the benchmark printed
+and saved with its results (the JSON's `markdown` or `summary` text):
+
+    <!-- figure: bench/results/codec-qwen3-0.6b.json table 2 -->
+
+and the section (`## ...`) it is in names that JSON in the command that wrote it. `python -m
+bench.report` rewrites each marked table from its JSON; `--check` rewrites nothing and exits 1
+naming each table that differs from its JSON, a marker whose JSON or table is missing, a
+section that names no command for its JSON, and a figure table with no marker. The tables still
+waiting for a saved result are listed in `WITHOUT_SAVED_RESULT` (their first line) and reported,
+not failed; a listed table that gains a marker, or is gone, must leave the list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["DOCS", "Table", "check", "main", "render", "tables_in"]
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = ("README.md", "BENCHMARKS.md")
+MARKER = re.compile(r"<!-- figure: (\S+\.json) table (\d+) -->")
+# The keys under which a benchmark keeps the text it printed (bench/output.py).
+SAVED_TEXT = ("markdown", "summary")
+# A table whose rows carry a measured quantity is a figure (README also has tables of names).
+FIGURE = re.compile(r"\|[^|\n]*\d(?:\.\d+)?\s?(?:s|ms|%|MB|GB|kB|MB/s|GB/s|min|x)\b")
+# Figure tables whose run saved nothing to render them from yet (issue 47: re-run each, or
+# remove it): (document, how the table's first line starts).
+WITHOUT_SAVED_RESULT: tuple[tuple[str, str], ...] = (
+    ("README.md", "| run | time | rollouts with a valid tool call | mean reward"),
+    ("BENCHMARKS.md", "| target | measured | |"),
+    ("BENCHMARKS.md", "| | before (2edf717^) | after | after / before |"),
+    ("BENCHMARKS.md", "| pass | wall s | CPU s | the O(changed) update is |"),
+    ("BENCHMARKS.md", "| | before (0b423ae) | after | after / before |"),
+    ("BENCHMARKS.md", "| ranks | shard params | CPU-s per rank | part MB per rank |"),
+    ("BENCHMARKS.md", "| encoding | publish blocks s (median) | vs ans | worker enc"),
+    ("BENCHMARKS.md", "| mode | blocking s (median) | vs the host path |"),
+    ("BENCHMARKS.md", "| per step | qwen3-0.6b (596M) | qwen3-1.7b (1.72B) |"),
+    ("BENCHMARKS.md", "| density | changed | device mode | to host | host waits | t"),
+    ("BENCHMARKS.md", "| density | changed | staging | staged to device | commit (t"),
+    ("BENCHMARKS.md", "| pass | s |"),
+    ("BENCHMARKS.md", "| version | density | publish | diff / encode / upload | byt"),
+    ("BENCHMARKS.md", "| zstd level | layout | size vs plain | compress GB/s (1 thr"),
+    ("BENCHMARKS.md", "| run | games/s | p50 step latency | p99 step latency | serv"),
+    ("BENCHMARKS.md", "| router | replicas | busiest / mean, one value per run | la"),
+    ("BENCHMARKS.md", "| `max_staleness` of a CPU environment run | runs | completi"),
+    ("BENCHMARKS.md", "| what | size | from nothing | new commit |"),
+    ("BENCHMARKS.md", "| quick start | launch to healthy | wall | commit-to-serving"),
+)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table in a document: its lines [start, stop) (0-based), its marker and section."""
+
+    doc: str
+    start: int
+    stop: int
+    text: str
+    source: tuple[str, int] | None  # (JSON path, table number) from its marker
+    section: str  # the enclosing `## ` section's text
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.start + 1}"
+
+
+def tables_in(text: str) -> list[str]:
+    """The tables of a text (runs of lines starting with `|`), in order."""
+    found, current = [], []
+    for line in [*text.split("\n"), ""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            found.append("\n".join(current))
+            current = []
+    return found
+
+
+def _sections(lines: list[str]) -> list[str]:
+    """For each line, the text of the `## ` section it is in."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("## ")] + [len(lines)]
+    owner = ["\n".join(lines[: starts[0]])] * starts[0]
+    for a, b in itertools.pairwise(starts):
+        owner += ["\n".join(lines[a:b])] * (b - a)
+    return owner
+
+
+def _tables(doc: str, text: str) -> list[Table]:
+    lines = text.split("\n")
+    sections = _sections(lines)
+    found, i = [], 0
+    while i < len(lines):
+        if not lines[i].startswith("|"):
+            i += 1
+            continue
+        stop = i
+        while stop < len(lines) and lines[stop].startswith("|"):
+            stop += 1
+        before = next((x for x in reversed(lines[:i]) if x.strip()), "")
+        marker = MARKER.fullmatch(before.strip())
+        source = (marker.group(1), int(marker.group(2))) if marker else None
+        found.append(Table(doc, i, stop, "\n".join(lines[i:stop]), source, sections[i]))
+        i = stop
+    return found
+
+
+def render(source: str, number: int, root: Path = REPO) -> str:
+    """Table `number` (from 1) of the text the benchmark saved in `source`."""
+    path = root / source
+    if not path.is_file():
+        raise LookupError(f"{source} does not exist")
+    result = json.loads(path.read_text())
+    text = next((result[k] for k in SAVED_TEXT if isinstance(result.get(k), str)), None)
+    if text is None:
+        raise LookupError(f"{source} keeps no printed table ({' or '.join(SAVED_TEXT)})")
+    tables = tables_in(text)
+    if not 1 <= number <= len(tables):
+        raise LookupError(f"{source} has {len(tables)} tables, not a table {number}")
+    return tables[number - 1]
+
+
+def _waiting(doc: str, table_text: str) -> bool:
+    """Whether WITHOUT_SAVED_RESULT lists the table."""
+    return any(doc == d and table_text.startswith(first) for d, first in WITHOUT_SAVED_RESULT)
+
+
+def _problems(table: Table, root: Path) -> list[str]:
+    if table.source is None:
+        listed = _waiting(table.doc, table.text)
+        is_figure = table.doc == "BENCHMARKS.md" or FIGURE.search(table.text)
+        return [] if listed or not is_figure else [f"{table.where}: a figure with no source marker"]
+    source, number = table.source
+    try:
+        want = render(source, number, root)
+    except LookupError as exc:
+        return [f"{table.where}: {exc}"]
+    problems = []
+    if source not in MARKER.sub("", table.section):  # a command, not the markers, names it
+        problems.append(f"{table.where}: its section names no command writing {source}")
+    if table.text != want:
+        problems.append(f"{table.where}: differs from table {number} of {source}")
+    return problems
+
+
+def check(root: Path = REPO, *, write: bool = False) -> tuple[list[str], list[str]]:
+    """(problems, tables without a saved result); with `write`, marked tables are rewritten
+    from their JSON first."""
+    problems, waiting = [], []
+    for doc in DOCS:
+        path = root / doc
+        text = path.read_text()
+        tables = _tables(doc, text)
+        if write:
+            lines = text.split("\n")
+            for table in reversed(tables):
+                if table.source is not None:
+                    with contextlib.suppress(LookupError):  # reported below
+                        lines[table.start : table.stop] = render(*table.source, root).split("\n")
+            path.write_text("\n".join(lines))
+            tables = _tables(doc, path.read_text())
+        for table in tables:
+            problems += _problems(table, root)
+            if table.source is None and _waiting(doc, table.text):
+                waiting.append(table.where)
+    unmarked = [
+        (d, t.text) for d in DOCS for t in _tables(d, (root / d).read_text()) if not t.source
+    ]
+    problems += [
+        f"{doc}: WITHOUT_SAVED_RESULT lists a table that is not there (or has a marker): {first}"
+        for doc, first in WITHOUT_SAVED_RESULT
+        if not any(d == doc and text.startswith(first) for d, text in unmarked)
+    ]
+    return problems, waiting
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.report", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--check", action="store_true", help="compare only; exit 1 on a difference")
+    args = parser.parse_args(argv)
+    problems, waiting = check(write=not args.check)
+    for line in problems:
+        print(line)
+    if waiting:
+        print(f"{len(waiting)} figure tables wait for a saved result: {', '.join(waiting)}")
+    if not problems:
+        print("every figure table matches its JSON" if args.check else "tables rewritten")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
