@@ -26,8 +26,9 @@ import zstandard
 from deltasync.arguments import count, folder, json_path, learning_rate
 
 from .codec import _leb128, entropy_floor
+from .models.qwen3 import SHAPES
 from .output import save_json
-from .realistic import SHAPES, deltas
+from .realistic import deltas
 
 
 def rice_encode(gaps: np.ndarray) -> tuple[int, bytes, bytes]:

@@ -18,7 +18,7 @@ import zstandard
 
 from deltasync.arguments import zstd_level
 
-from .realistic import SHAPES
+from .models.qwen3 import SHAPES
 from .synthetic import synthetic_states
 
 

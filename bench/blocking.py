@@ -40,8 +40,9 @@ from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot, digests_after
 from deltasync.store import LocalStore
 
+from .models.qwen3 import SHAPES
 from .output import save_json
-from .realistic import SHAPES, bf16_states
+from .realistic import bf16_states
 from .synthetic import synthetic_states
 
 

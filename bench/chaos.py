@@ -40,7 +40,7 @@ from deltasync.replica.replica import Replica
 from deltasync.store import LocalStore
 from deltasync.wire.garbage import find_unreferenced
 from deltasync.wire.manifest import read_manifest
-from trainer.tiny_model import build_tiny_qwen3
+from trainer.random_qwen3 import build_tiny_qwen3
 
 from .memory import PeakRss
 from .output import report

@@ -53,8 +53,9 @@ from deltasync.replica.replica import Replica
 from deltasync.wire.digests import tensor_digest, total
 
 from .memory import PeakRss
+from .models.qwen3 import SHAPES
 from .output import report
-from .realistic import SHAPES, bf16_states
+from .realistic import bf16_states
 
 RUN_ID = "bench"
 LN2 = math.log(2.0)

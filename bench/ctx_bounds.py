@@ -28,8 +28,9 @@ from deltasync.kernels.changes import TensorChange
 from deltasync.kernels.state_hash import full_state_digest
 from deltasync.publisher.snapshot import Bf16Snapshot
 
+from .models.qwen3 import SHAPES
 from .output import report
-from .realistic import SHAPES, bf16_states
+from .realistic import bf16_states
 
 LAYER = {
     "q_proj": (2048, 1024),

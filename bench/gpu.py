@@ -49,9 +49,9 @@ from deltasync.vllm_ext.apply.inplace import InPlaceSink
 from deltasync.wire.digests import total
 
 from .gpu_common import GPU_SHAPES, device_of, shape_of
+from .models.qwen3 import build_config
+from .models.vllm_layout import StandInQwen3, standin_layout
 from .output import save_json
-from .realistic import build_config
-from .vllm_standin import StandInQwen3, standin_layout
 
 __all__ = ["main"]
 

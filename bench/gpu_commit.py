@@ -4,8 +4,8 @@ with free device memory capped near 6 GB.
     PYTHONPATH=. python -m bench.gpu_commit --json commit.json        # cuda, Qwen3-8B stand-in
     PYTHONPATH=. python -m bench.gpu_commit --device cpu --small       # CI dry run
 
-A vLLM-shaped stand-in of the Qwen3-8B shape (`bench.vllm_standin`: fused qkv / gate_up, padded
-embedding, tied head; 15 GB bf16) holds random weights on the device, bound to an
+A vLLM-shaped stand-in of the Qwen3-8B shape (`bench.models.vllm_layout`: fused qkv /
+gate_up, padded embedding, tied head; 15 GB bf16) holds random weights on the device, bound to an
 `InPlaceSink` as by a first anchor. Each delta changes a random share of every tensor's
 elements (the lowest mantissa bit flipped). The cap: `torch.cuda.set_per_process_memory_fraction`
 leaves `--free-gb` (6) above what the stand-in holds, and the sink is told the same free figure
@@ -38,9 +38,9 @@ from deltasync.wire.digests import StateDigest
 from deltasync.wire.metadata import TensorEntry
 
 from .gpu_common import Peak, Transfers, part_main, shape_of, synchronize
-from .realistic import build_config
+from .models.qwen3 import build_config
+from .models.vllm_layout import StandInQwen3, standin_layout
 from .synthetic import parameter_shapes
-from .vllm_standin import StandInQwen3, standin_layout
 
 __all__ = ["main"]
 

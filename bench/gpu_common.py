@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltasync.arguments import json_path, torch_device
 
-from .realistic import SHAPES, Shape
+from .models.qwen3 import SHAPES, Shape
 
 __all__ = [
     "GPU_SHAPES",

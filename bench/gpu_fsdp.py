@@ -46,7 +46,7 @@ def run(args, part, device: torch.device) -> bool:
     from deltasync.store import LocalStore
     from deltasync.wire.policy import AnchorPolicy
 
-    from .realistic import build_config
+    from .models.qwen3 import build_config
 
     shape = shape_of("qwen3-micro" if args.small else "qwen3-0.6b")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

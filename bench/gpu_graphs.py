@@ -4,7 +4,7 @@ serves, while staging runs on another thread.
     PYTHONPATH=. python -m bench.gpu_graphs --json graphs.json        # cuda
     PYTHONPATH=. python -m bench.gpu_graphs --device cpu --small       # CI dry run
 
-A vLLM-like forward over a stand-in's own parameters (`bench.vllm_standin`, Qwen3-0.6B layer
+A vLLM-like forward over a stand-in's own parameters (`bench.models.vllm_layout`, Qwen3-0.6B layer
 shapes, 2 layers on CUDA): embedding -> fused qkv -> fused gate_up -> down -> tied head, with
 one elementwise op between matmuls (so compiled and eager round alike). It is captured once in
 a CUDA graph on its own stream and compiled once (`torch.compile`, inductor); the weights are
@@ -35,9 +35,9 @@ from deltasync.vllm_ext.apply.inplace import InPlaceSink
 
 from .gpu_commit import _changes, _file, _meta
 from .gpu_common import part_main, shape_of
-from .realistic import build_config
+from .models.qwen3 import build_config
+from .models.vllm_layout import StandInQwen3, standin_layout
 from .synthetic import parameter_shapes
-from .vllm_standin import StandInQwen3, standin_layout
 
 __all__ = ["main"]
 

@@ -36,8 +36,8 @@ from deltasync.store.latency import Call, LatencyStore
 from deltasync.wire.manifest import fetch_entry, read_manifest, read_manifest_bytes
 from deltasync.wire.metrics import SyncRecord
 
+from .models.qwen3 import SHAPES
 from .output import report
-from .realistic import SHAPES
 from .synthetic import synthetic_states
 
 RUN_ID = "latency"

@@ -33,7 +33,7 @@ from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.store import open_store
 from deltasync.vllm_ext.client import ReplicaClient
 from deltasync.wire.policy import AnchorPolicy
-from trainer.tiny_model import build_tiny_qwen3
+from trainer.random_qwen3 import build_tiny_qwen3
 
 from .output import report
 from .server import served

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from deltasync.arguments import folder, fraction, json_path, positive
 
+from .models.qwen3 import Shape, build_config
 from .output import report
-from .realistic import Shape, build_config
 
 __all__ = ["garbage_anchor_bucket", "make_bucket", "measure", "shape_of_size"]
 

@@ -7,14 +7,8 @@ and the bf16 view of every parameter after each optimizer step. The model is bui
 source, tokenized byte-level (token id = byte value, so only the first 256 ids are ever inputs;
 with tied embeddings the LM head still trains every vocabulary row).
 
-Shapes (`SHAPES`, selectable by name):
-- `qwen3-0.6b`: Qwen3-0.6B exactly (hidden 1024, 28 layers, 16 heads, 8 kv heads, head_dim 128,
-  intermediate 3072, vocab 151936, tied embeddings): 596M parameters, 1.19 GB bf16.
-- `qwen3-1.7b`: Qwen3-1.7B exactly (hidden 2048, intermediate 6144, otherwise as 0.6B):
-  1.72B parameters, 3.44 GB bf16 (too slow to train here: use `synthetic` steps).
-- `qwen3-100m`: hidden 768, 12 layers, 12 heads, 4 kv heads, head_dim 64, intermediate 3072,
-  vocab 32000, tied embeddings: 128M parameters, 0.26 GB bf16 (quick runs).
-- `qwen3-tiny`: hidden 128, 2 layers, vocab 4096 (smoke tests only).
+Shapes: `bench.models.qwen3.SHAPES`, selectable by name (`qwen3-1.7b` is too slow to train
+here: use `synthetic` steps).
 
 API:
 - `bf16_states(...)` yields `(step, state)`: step 0 is the initial bf16 view, then one per
@@ -39,7 +33,7 @@ import sys
 import sysconfig
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -47,70 +41,14 @@ import torch
 
 from deltasync.arguments import count, folder, learning_rate, whole
 
+from .models.qwen3 import SHAPES, build_model
+
 __all__ = [
-    "SHAPES",
-    "Shape",
     "bf16_states",
-    "build_config",
-    "build_model",
     "corpus_tokens",
     "deltas",
     "ensure_cache",
 ]
-
-
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool = True
-
-
-SHAPES: dict[str, Shape] = {
-    "qwen3-1.7b": Shape(2048, 28, 16, 8, 128, 6144, 151936),
-    "qwen3-0.6b": Shape(1024, 28, 16, 8, 128, 3072, 151936),
-    "qwen3-100m": Shape(768, 12, 12, 4, 64, 3072, 32000),
-    "qwen3-tiny": Shape(128, 2, 4, 2, 32, 384, 4096),
-}
-
-
-def build_config(shape: Shape):
-    """The `transformers.Qwen3Config` of a shape (std-0.02 init, tied embeddings by default)."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        tie_word_embeddings=shape.tied,
-        initializer_range=0.02,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-
-
-def build_model(shape: Shape | str, *, seed: int = 0) -> torch.nn.Module:
-    """A Qwen3ForCausalLM of this shape, fp32, std-0.02 normal init (HF `_init_weights`)."""
-    from transformers import Qwen3ForCausalLM
-
-    if isinstance(shape, str):
-        shape = SHAPES[shape]
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(build_config(shape)).float()
-    model.train()
-    return model
 
 
 def corpus_tokens(max_bytes: int = 32 << 20) -> np.ndarray:

@@ -37,8 +37,9 @@ from deltasync.wire.digests import tensor_digest
 from deltasync.wire.policy import AnchorPolicy
 
 from .memory import PeakRss
+from .models.qwen3 import SHAPES, build_config
 from .output import report
-from .realistic import SHAPES, bf16_states, build_config
+from .realistic import bf16_states
 from .server import served
 from .synthetic import synthetic_states
 
@@ -59,7 +60,7 @@ def _states(args: argparse.Namespace):
 
 
 def _model_dir(directory: Path, model: str, anchor: Path) -> None:
-    from trainer.tiny_model import byte_level_tokenizer
+    from trainer.random_qwen3 import byte_level_tokenizer
 
     config = build_config(SHAPES[model])
     config.dtype = torch.bfloat16

@@ -29,8 +29,8 @@ import torch
 
 from deltasync.arguments import count, fraction, json_path
 
+from .models.qwen3 import SHAPES, build_config
 from .output import report
-from .realistic import SHAPES, build_config
 from .server import served
 
 __all__ = ["main"]
@@ -88,7 +88,7 @@ def _code(tree: Path) -> Iterator[None]:
 
 def _prepare(work: Path, density: float) -> int:
     from deltasync import Publisher, PublisherConfig, open_store
-    from trainer.tiny_model import byte_level_tokenizer
+    from trainer.random_qwen3 import byte_level_tokenizer
 
     from .synthetic import synthetic_states
 

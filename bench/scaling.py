@@ -27,8 +27,8 @@ from deltasync.replica.replica import Replica
 
 from .codec import _encode_delta, _timed, _update
 from .memory import PeakRss
+from .models.qwen3 import SHAPES
 from .output import save_json
-from .realistic import SHAPES
 from .synthetic import synthetic_states
 
 RUN_ID = "bench-scaling"

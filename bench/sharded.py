@@ -53,7 +53,7 @@ def _worker(args: argparse.Namespace) -> None:
     from deltasync.wire.policy import AnchorPolicy
 
     from .memory import PeakRss
-    from .realistic import SHAPES, build_config
+    from .models.qwen3 import SHAPES, build_config
 
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -150,7 +150,7 @@ def _run(shape: str, ranks: int, steps: int, density: float, pin: bool) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .realistic import SHAPES
+    from .models.qwen3 import SHAPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))

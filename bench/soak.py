@@ -32,7 +32,7 @@ from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.store import open_store
 from deltasync.wire.policy import AnchorPolicy
-from trainer.tiny_model import build_tiny_qwen3
+from trainer.random_qwen3 import build_tiny_qwen3
 
 from .memory import PeakRss
 from .output import report

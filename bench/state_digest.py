@@ -29,8 +29,8 @@ from deltasync.kernels.state_hash import apply_changes, state_sums
 from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.wire.digests import tensor_digest, total
 
+from .models.qwen3 import SHAPES
 from .output import report
-from .realistic import SHAPES
 from .synthetic import synthetic_states
 
 __all__ = ["main"]

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from .realistic import SHAPES, Shape
+from .models.qwen3 import SHAPES, Shape
 
 __all__ = ["parameter_shapes", "synthetic_states"]
 
@@ -20,7 +20,7 @@ def parameter_shapes(shape: Shape | str) -> dict[str, tuple[int, ...]]:
     """HF parameter names and shapes of a Qwen3 of this shape (tied aliases skipped)."""
     from transformers import Qwen3ForCausalLM
 
-    from .realistic import build_config
+    from .models.qwen3 import build_config
 
     with torch.device("meta"):
         model = Qwen3ForCausalLM(build_config(SHAPES[shape] if isinstance(shape, str) else shape))

@@ -26,8 +26,8 @@ import time
 from deltasync.arguments import count, fraction, json_path
 from deltasync.store import LocalStore
 
+from .models.qwen3 import SHAPES
 from .output import report
-from .realistic import SHAPES
 
 __all__ = ["CountingStore", "main"]
 

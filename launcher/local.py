@@ -60,7 +60,7 @@ __all__ = [
 
 # Wordle's prompt with its tool schema is ~1300 tokens for a built model's byte-level tokenizer,
 # an MCP server's four tools ~1500, and every turn adds its call and the reply: the built model's
-# whole context (trainer.tiny_model: max_position_embeddings).
+# whole context (trainer.random_qwen3: max_position_embeddings).
 TOOL_CONTEXT = 4096
 _TINY_VLLM_ARGS = "--max-model-len 512 --max-num-seqs 16 --disable-log-stats"
 _VLLM_ARGS = f"--max-model-len {TOOL_CONTEXT} --max-num-seqs 16 --disable-log-stats"

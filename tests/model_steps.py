@@ -1,4 +1,5 @@
-"""Test helpers: the tiny Qwen3 and real AdamW steps on it (`from model_steps import ...`)."""
+"""Test helpers: real AdamW steps on a model, TRL v1's delta writer, the Hub cache layout
+(`from model_steps import ...`; the models themselves: `bench.models`)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,6 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
-
-
-def tiny_qwen3(seed: int = 0, *, tie: bool = True):
-    """The project's tiny Qwen3 (2 layers, head_dim 32) with std-0.02 init, fp32 weights."""
-    from transformers import Qwen3ForCausalLM
-
-    from trainer.tiny_model import tiny_qwen3_config
-
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(tiny_qwen3_config(tie=tie)).float()
 
 
 class AdamWLoop:

@@ -10,7 +10,7 @@ from pathlib import Path
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from .defaults import BUILT
-from .tiny_model import PRESETS, Preset, build_tiny_qwen3
+from .random_qwen3 import MARKER, PRESETS, Preset, build_tiny_qwen3
 
 __all__ = ["BUILT_CHAT", "CPU_STALENESS", "build_config", "built_preset", "prepare_model"]
 
@@ -32,7 +32,7 @@ CPU_STALENESS = 3
 def prepare_model(model: str, model_dir: str, *, seed: int = 0) -> str:
     """The model string both the trainer and the rollout servers use.
 
-    For a preset of `trainer.tiny_model` ('tiny', 'small'), a random Qwen3 with a byte-level
+    For a preset of `trainer.random_qwen3` ('tiny', 'small'), a random Qwen3 with a byte-level
     tokenizer is written to `model_dir` (once per preset and seed) with TRL's Qwen3 chat
     template, so tool calls parse; its absolute path is the served model name. Anything else is
     returned unchanged (a Hub id or a folder).
@@ -67,7 +67,7 @@ def build_config(
     real model the RL defaults (lr 1e-6, 1024 tokens)."""
     preset = _preset(model)
     lr = args.lr if args.lr is not None else (preset.lr if preset else 1e-6)
-    # a built model's tool call is about 25 tokens (`trainer.tiny_model.TOOL_CALL_PIECES`)
+    # a built model's tool call is about 25 tokens (`trainer.random_qwen3.TOOL_CALL_PIECES`)
     built_length = 16 if args.env == "sanity" else 64
     length = args.max_completion_length or (built_length if preset else 1024)
     return AsyncGRPOConfig(
@@ -115,8 +115,7 @@ def _preset(model: str) -> Preset | None:
 
 
 def _built(directory: Path) -> dict:
-    """A built model folder's marker (its preset and seed), {} for any other folder."""
-    marker = directory / "deltasync_tiny.json"
-    if not marker.exists():
-        return {}
-    return {"preset": "tiny", **json.loads(marker.read_text())}  # older markers: tiny
+    """A built model folder's marker (its preset and seed), {} for any other folder (one built
+    before the marker had its name is built again)."""
+    marker = directory / MARKER
+    return json.loads(marker.read_text()) if marker.exists() else {}

@@ -32,7 +32,7 @@ __all__ = [
     "VLLM_URL",
 ]
 
-# Model names that build a random Qwen3 offline (trainer.tiny_model.PRESETS): `tiny` for tests and
+# Model names that build a random Qwen3 offline (trainer.random_qwen3.PRESETS): `tiny` for tests and
 # benchmarks, `small` for the default run (initialised so its deltas are as sparse as a real
 # model's at RL learning rates, and still learning within the run).
 TINY = "tiny"

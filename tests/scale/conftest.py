@@ -26,12 +26,11 @@ def sharded_run(tmp_path_factory) -> Path:
 def sharded_model_dir(tmp_path_factory) -> Path:
     """Config and tokenizer of the sharded run's model shape (weights come from the bucket)."""
     sys.path.insert(0, str(SCRIPT.parent))
-    from fsdp_train import qwen3_shaped
-
-    from trainer.tiny_model import byte_level_tokenizer
+    from bench.models.qwen3 import uneven_qwen3
+    from trainer.random_qwen3 import byte_level_tokenizer
 
     directory = tmp_path_factory.mktemp("model")
-    qwen3_shaped(VOCAB, INTERMEDIATE, seed=0).bfloat16().save_pretrained(directory)
+    uneven_qwen3(VOCAB, INTERMEDIATE, seed=0).bfloat16().save_pretrained(directory)
     byte_level_tokenizer().save_pretrained(directory)
     return directory
 
@@ -41,7 +40,7 @@ def sharded_moe_run(tmp_path_factory) -> Path:
     """A Qwen3-MoE trained by two FSDP2 ranks (each holding half of every expert tensor):
     `bucket/` (6 versions), `exp/<version>.safetensors` (checkpoint names) and `model/` (config
     and tokenizer for vLLM)."""
-    from bench.families import build_family
+    from bench.models.families import build_family
 
     root = tmp_path_factory.mktemp("fsdp-moe")
     torchrun(

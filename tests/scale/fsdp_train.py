@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node 2 tests/scale/fsdp_train.py --bucket DIR --steps 10 --expected OUT
 
-`--family NAME` trains one of `bench.families` instead (e.g. qwen3-moe: each rank holds half the
-experts of every fused expert tensor and publishes the per-expert checkpoint tensors in them).
+`--family NAME` trains one of `bench.models.families` instead (e.g. qwen3-moe: each rank holds
+half the experts of every fused expert tensor and publishes the per-expert checkpoint tensors in
+them).
 
 Each rank wraps a Qwen3-shaped model in `fully_shard` (gloo), takes AdamW steps on random tokens
 and calls `Publisher.publish(model)` with a `ShardGroup`: it diffs only its rows and uploads its
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from bench.models.qwen3 import uneven_qwen3
 from deltasync import Publisher, PublisherConfig
 from deltasync.defaults import ENCODING
 from deltasync.errors import PublishError
@@ -40,18 +42,6 @@ from deltasync.publisher.snapshot import bf16_view
 from deltasync.replica.replica import Replica
 from deltasync.store import LocalStore
 from deltasync.wire.policy import AnchorPolicy
-
-
-def qwen3_shaped(vocab: int, intermediate: int, seed: int) -> torch.nn.Module:
-    """The tiny Qwen3 with an odd vocabulary (uneven row shards) and untied LM head."""
-    from transformers import Qwen3ForCausalLM
-
-    from trainer.tiny_model import tiny_qwen3_config
-
-    config = tiny_qwen3_config(vocab, tie=False)
-    config.intermediate_size = intermediate
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config).float()
 
 
 class FaultyStore(LocalStore):
@@ -84,7 +74,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--vocab", type=int, default=509)
     parser.add_argument("--intermediate", type=int, default=130)
-    parser.add_argument("--family", help="a model of bench.families instead of the Qwen3 shape")
+    parser.add_argument("--family", help="a bench.models.families model, not the Qwen3 shape")
     parser.add_argument("--anchor-interval", type=int, default=4)
     parser.add_argument("--keep-anchors", type=int, default=8)
     parser.add_argument("--unsharded-root", action="store_true", help="fully_shard layers only")
@@ -104,12 +94,12 @@ def main() -> None:
     if args.family:
         from transformers import AutoModelForCausalLM
 
-        from bench.families import family_config
+        from bench.models.families import family_config
 
         args.vocab = family_config(args.family).vocab_size
         model = AutoModelForCausalLM.from_config(family_config(args.family)).float()
     else:
-        model = qwen3_shaped(args.vocab, args.intermediate, seed=0)
+        model = uneven_qwen3(args.vocab, args.intermediate, seed=0)
     names = CheckpointNames.of(model)
     if args.resume:  # a restarted trainer starts from the weights the bucket holds
         replica = Replica()

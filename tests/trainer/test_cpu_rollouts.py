@@ -8,7 +8,7 @@ from trl.chat_template_utils import qwen3_chat_template
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 
 from trainer.cpu import score_one_group_ahead
-from trainer.tiny_model import byte_level_tokenizer
+from trainer.random_qwen3 import byte_level_tokenizer
 
 
 def _reward(completions: list, **_: object) -> list[float]:

@@ -11,7 +11,7 @@ import torch
 
 from trainer.config import BUILT_CHAT
 from trainer.env_spec import preflight, resolve
-from trainer.tiny_model import TOOL_CALL_PIECES, byte_level_tokenizer
+from trainer.random_qwen3 import TOOL_CALL_PIECES, byte_level_tokenizer
 from trainer.warmup import WARMUP_SEED, _common_prefix, sample_arguments, warm_up, warmup_examples
 
 SCHEMA = {

@@ -14,9 +14,10 @@ from collections import Counter
 
 import pytest
 import torch
-from model_steps import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop
 from test_weight_sync_slow_store import InProcessReplica
 
+from bench.models.qwen3 import tiny_qwen3
 from deltasync import Bf16Snapshot, Publisher, PublisherConfig, Replica
 from deltasync.errors import DeltaSyncError
 from deltasync.store import LocalStore

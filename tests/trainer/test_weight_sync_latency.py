@@ -11,10 +11,11 @@ import threading
 import time
 
 import torch
-from model_steps import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop
 from test_weight_sync_followers import InProcessFollower
 from test_weight_sync_slow_store import InProcessReplica
 
+from bench.models.qwen3 import tiny_qwen3
 from deltasync import Publisher, PublisherConfig
 from deltasync.store import LocalStore
 from deltasync.wire.metrics import SyncRecord

@@ -15,8 +15,9 @@ import time
 
 import pytest
 import torch
-from model_steps import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop
 
+from bench.models.qwen3 import tiny_qwen3
 from deltasync import Bf16Snapshot, Publisher, PublisherConfig, Replica
 from deltasync.store import LocalStore
 from deltasync.wire.digests import tensor_digest

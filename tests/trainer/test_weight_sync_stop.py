@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import threading
 
-from model_steps import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop
 
+from bench.models.qwen3 import tiny_qwen3
 from deltasync import Publisher, PublisherConfig
 from deltasync.store import LocalStore
 from deltasync.wire.manifest import read_manifest

@@ -138,8 +138,9 @@ def change_numel(model) -> int:
 def test_a_nearly_dense_tensor_round_trips():
     """Real gaps of a tensor where nearly every element changed (99 % zeros): the dominant
     symbol keeps the coder's state high, where an inexact reciprocal division once went wrong."""
-    from model_steps import AdamWLoop, tiny_qwen3
+    from model_steps import AdamWLoop
 
+    from bench.models.qwen3 import tiny_qwen3
     from deltasync.codec.ans import _codes
     from deltasync.publisher.snapshot import Bf16Snapshot
 

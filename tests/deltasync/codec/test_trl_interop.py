@@ -7,9 +7,10 @@ import json
 
 import pytest
 import torch
-from model_steps import AdamWLoop, tiny_qwen3, trl_v1_write
+from model_steps import AdamWLoop, trl_v1_write
 from safetensors import safe_open
 
+from bench.models.qwen3 import tiny_qwen3
 from deltasync.codec import encode_anchor, encode_delta
 from deltasync.kernels.state_hash import full_state_digest
 from deltasync.publisher.snapshot import Bf16Snapshot

@@ -10,10 +10,11 @@ import logging
 
 import pytest
 import torch
-from model_steps import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop
 from safetensors.torch import load
 from test_publisher import FlakyStore, _equal
 
+from bench.models.qwen3 import tiny_qwen3
 from deltasync.errors import FormatError, PublishError
 from deltasync.kernels.changes import Diff
 from deltasync.publisher import device_snapshot

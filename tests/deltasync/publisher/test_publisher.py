@@ -9,8 +9,9 @@ import time
 
 import pytest
 import torch
-from model_steps import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop
 
+from bench.models.qwen3 import tiny_qwen3
 from deltasync.codec import encode_anchor
 from deltasync.errors import FormatError, PublishError, StoreError
 from deltasync.publisher.publisher import Publisher, PublisherConfig

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import safetensors.torch
 import torch
-from model_steps import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop
 from test_publisher import _equal
 
+from bench.models.qwen3 import tiny_qwen3
 from deltasync.codec import ParsedFile, decode, encode_virtual_anchor
 from deltasync.errors import DigestMismatch, FormatError
 from deltasync.kernels.boxes import Box

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_steps import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop
 
+from bench.models.qwen3 import tiny_qwen3
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.replica.replica import Replica

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from model_steps import AdamWLoop, tiny_qwen3
+from model_steps import AdamWLoop
 from sharded_bucket import SHAPES, write_sharded_bucket
 
+from bench.models.qwen3 import tiny_qwen3
 from bench.tp_slices import CountingStore
 from deltasync.codec import ParsedFile
 from deltasync.errors import DigestMismatch, FormatError

@@ -9,8 +9,9 @@ import huggingface_hub
 import pytest
 import safetensors.torch
 from huggingface_hub._snapshot_download import DryRunFileInfo
-from model_steps import HUB_COMMIT, as_hub_cache, tiny_qwen3
+from model_steps import HUB_COMMIT, as_hub_cache
 
+from bench.models.qwen3 import tiny_qwen3
 from deltasync.codec.virtual import SourcePolicy
 from deltasync.errors import FormatError
 from deltasync.publisher.publisher import Publisher, PublisherConfig

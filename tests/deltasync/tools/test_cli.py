@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from model_steps import AdamWLoop, tiny_qwen3, trl_v1_write
+from model_steps import AdamWLoop, trl_v1_write
 
+from bench.models.qwen3 import tiny_qwen3
 from deltasync.defaults import ENCODING
 from deltasync.kernels.state_hash import full_state_digest
 from deltasync.publisher.publisher import Publisher, PublisherConfig

@@ -33,7 +33,7 @@ from deltasync.tools.export.weights import model_card, write_model
 from deltasync.wire.digests import StateDigest, tensor_digest
 from deltasync.wire.policy import AnchorPolicy
 from deltasync.wire.source import ModelSource
-from trainer.tiny_model import build_tiny_qwen3
+from trainer.random_qwen3 import build_tiny_qwen3
 
 ROOT = Path(__file__).parents[3]
 TOKEN = "hf_fake_export_token"
@@ -139,7 +139,7 @@ VLLM_LOAD = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from safetensors.torch import load_file
-from vllm_qwen3 import build_vllm_model, release_vllm_runtime
+from vllm_in_process import build_vllm_model, release_vllm_runtime
 from deltasync.wire.digests import tensor_digest
 from deltasync.vllm_ext.apply.layout import LayoutOf
 model = build_vllm_model(sys.argv[2])

@@ -31,7 +31,7 @@ from deltasync.store import open_store
 from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
 from deltasync.vllm_ext.engine import MAX_STAGED
 from deltasync.wire.policy import AnchorPolicy
-from trainer.tiny_model import build_tiny_qwen3
+from trainer.random_qwen3 import build_tiny_qwen3
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """The in-place sink's own behaviour (layout, O(changed) writes, undo) on a fast stand-in.
 
-The stand-in (`bench.vllm_standin`, which the GPU check uses too) has what the in-place path
+The stand-in (`bench.models.vllm_layout`, which the GPU check uses too) has what the in-place path
 relies on: `qkv_proj` / `gate_up_proj` parameters with `output_sizes`, an embedding padded to
 64 rows, an LM head that shares the embedding's parameter, and a loader the layout is read off.
 The chain rules and vLLM's own model classes are covered by `test_sink_conformance.py` and
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.vllm_standin import SENTINEL, StandInQwen3, standin_layout
+from bench.models.vllm_layout import SENTINEL, StandInQwen3, standin_layout
 from deltasync.errors import DigestMismatch, FormatError
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
@@ -21,7 +21,7 @@ from deltasync.store import open_store
 from deltasync.vllm_ext.apply.inplace import InPlaceSink
 from deltasync.wire.digests import tensor_digest
 from deltasync.wire.policy import AnchorPolicy
-from trainer.tiny_model import tiny_qwen3_config
+from trainer.random_qwen3 import tiny_qwen3_config
 
 
 def _trainer(vocab_size: int = 300, seed: int = 0):

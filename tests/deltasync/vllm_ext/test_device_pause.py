@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 import pytest
 import torch
 
-from bench.vllm_standin import StandInQwen3, standin_layout
+from bench.models.vllm_layout import StandInQwen3, standin_layout
 from deltasync.errors import ReloadError
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
@@ -22,7 +22,7 @@ from deltasync.store import open_store
 from deltasync.vllm_ext.apply.inplace import InPlaceSink
 from deltasync.wire.digests import tensor_digest
 from deltasync.wire.policy import AnchorPolicy
-from trainer.tiny_model import tiny_qwen3_config
+from trainer.random_qwen3 import tiny_qwen3_config
 
 CHUNK = 64  # elements per upload in these tests: every touched tensor takes many chunks
 CHUNK_BYTES = CHUNK * (8 + 2)  # an int64 index and a bf16 value per element

@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
-from vllm_qwen3 import _restored_environ, vllm_config_for
+from vllm_in_process import _restored_environ, vllm_config_for
 
-from bench.families import build_family
-from bench.vllm_standin import StandInQwen3, standin_layout
+from bench.models.families import build_family
+from bench.models.vllm_layout import StandInQwen3, standin_layout
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.store import open_store
 from deltasync.store.latency import LatencyStore
@@ -31,7 +31,7 @@ from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
 from deltasync.vllm_ext.server.control import ControlConfig, ControlError, ControlPlane
 from deltasync.wire.manifest import MANIFEST_PATH, read_manifest
 from deltasync.wire.policy import AnchorPolicy
-from trainer.tiny_model import tiny_qwen3_config
+from trainer.random_qwen3 import tiny_qwen3_config
 
 EXTENSION = "deltasync.vllm_ext.worker.DeltaSyncWorkerExtension"
 

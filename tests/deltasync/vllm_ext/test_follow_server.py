@@ -34,7 +34,7 @@ from deltasync.store import open_store
 from deltasync.vllm_ext.client import ReplicaClient
 from deltasync.wire.manifest import MANIFEST_PATH, read_manifest
 from deltasync.wire.policy import AnchorPolicy
-from trainer.tiny_model import build_tiny_qwen3
+from trainer.random_qwen3 import build_tiny_qwen3
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_qwen3 import _restored_environ
+from vllm_in_process import _restored_environ
 
-from bench.families import build_family
+from bench.models.families import build_family
 from deltasync.errors import FormatError
 
 

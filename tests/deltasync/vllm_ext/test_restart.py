@@ -22,7 +22,7 @@ from deltasync.store import open_store
 from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
 from deltasync.vllm_ext.protocol import SYNC_PATH
 from deltasync.wire.policy import AnchorPolicy
-from trainer.tiny_model import build_tiny_qwen3
+from trainer.random_qwen3 import build_tiny_qwen3
 
 pytestmark = pytest.mark.slow
 TOKEN = f"test-{secrets.token_hex(16)}"

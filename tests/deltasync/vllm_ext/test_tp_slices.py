@@ -22,7 +22,7 @@ from deltasync.vllm_ext.apply.layout import layout_from_writes, record_writes, w
 from deltasync.wire.digests import total
 from deltasync.wire.manifest import fetch_entry, read_manifest
 from deltasync.wire.policy import AnchorPolicy
-from trainer.tiny_model import tiny_qwen3_config
+from trainer.random_qwen3 import tiny_qwen3_config
 
 SENTINEL = -7.0
 VOCAB = 300  # padded to 320 by vLLM: rank 0 holds rows 0..160, rank 1 rows 160..300 + padding

@@ -112,7 +112,7 @@ def build_family(family: str, directory: str | Path, *, seed: int = 0) -> torch.
     """Write `family`'s tiny checkpoint to `directory`; return the fp32 model (the trainer's)."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.tiny_model import byte_level_tokenizer
+    from trainer.random_qwen3 import byte_level_tokenizer
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ import json
 import torch
 
 from deltasync.publisher.snapshot import Bf16Snapshot
-from trainer.tiny_model import build_tiny_qwen3
+from trainer.random_qwen3 import build_tiny_qwen3
 
 
 def test_checkpoint_tokenizer_and_trainer_copy(tmp_path):

@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 from gemm_paths import dispatch_empties_weights
-from vllm_qwen3 import build_vllm_model, checkpoint_tensors, release_vllm_runtime
+from vllm_in_process import build_vllm_model, checkpoint_tensors, release_vllm_runtime
 
 from deltasync.vllm_ext.apply.layout import LayoutOf
-from trainer.tiny_model import build_tiny_qwen3, tiny_qwen3_config
+from trainer.random_qwen3 import build_tiny_qwen3, tiny_qwen3_config
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 CASES = {"tied": (300, True), "untied": (333, False)}  # vocab sizes not multiples of 64

@@ -24,6 +24,7 @@ import torch
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "MARKER",
     "PRESETS",
     "Preset",
     "build_tiny_qwen3",
@@ -50,6 +51,10 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 # ten tokens, bytes alone take about 50, and a random model must learn every one exactly before
 # its first call parses. Ordinary (not special) tokens, so decoding keeps them.
 TOOL_CALL_PIECES = ('<tool_call>\n{"name": "', '", "arguments": {', "}}\n</tool_call>")
+
+
+# Written into a folder `build_tiny_qwen3` built: its preset, seed and init.
+MARKER = "deltasync_random_qwen3.json"
 
 
 @dataclass(frozen=True)
@@ -151,5 +156,5 @@ def build_tiny_qwen3(
     tokenizer.save_pretrained(directory)
     GenerationConfig(eos_token_id=config.eos_token_id, do_sample=False).save_pretrained(directory)
     marker = {"seed": seed, "preset": preset, "init_std": config.initializer_range}
-    (directory / "deltasync_tiny.json").write_text(json.dumps(marker))
+    (directory / MARKER).write_text(json.dumps(marker))
     return model
