@@ -29,7 +29,7 @@ from deltasync import settings
 from deltasync.defaults import ENCODING
 from deltasync.wire.metrics import SyncRecord
 from trainer.defaults import BUILT
-from trainer.env_report import load_warnings
+from trainer.envs.report import load_warnings
 from trainer.routing import read_completions
 
 from .commands import (

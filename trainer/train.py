@@ -1,4 +1,5 @@
-r"""Single-GPU async GRPO that syncs weights to rollout replicas through a bucket.
+r"""Async GRPO (TRL) that syncs weights to rollout replicas through a bucket: on one GPU, on a
+CPU, or as FSDP2 ranks that each publish their own rows (`trainer.sharded`).
 
     # the default: a small random Qwen3 built offline, the sanity task, one local replica on :8001
     python -m trainer.train --bucket ./bucket --vllm-server-url http://127.0.0.1:8001
@@ -51,14 +52,14 @@ from deltasync.wire.source import ModelSource, resolve_source
 from . import defaults
 from .auth_proxy import AuthProxy
 from .console import console, last_lines, quiet_output
-from .env_report import EnvReport, RolloutTap
-from .env_spec import EnvSetupError, EnvSpec, dataset_rows, env_arg, preflight, resolve
+from .envs.report import EnvReport, RolloutTap
+from .envs.spec import EnvSetupError, EnvSpec, dataset_rows, env_arg, preflight, resolve
+from .envs.warmup import WARMUP_STEPS, warm_up
 from .resume import BucketWeights, latest_checkpoint, load_into
 from .rewards import RewardCallback, StepRewards
 from .routing import within_staleness
 from .sharded import fsdp2_launched, sharded_trainer_class
 from .tasks import DEFAULT_CHARS, sanity_dataset, sanity_reward
-from .warmup import WARMUP_STEPS, warm_up
 from .weight_sync import BucketWeightTransfer
 
 log = logging.getLogger("trainer")
@@ -206,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=whole,
         default=None,
         help="supervised steps on synthetic tool-call transcripts of --env before GRPO, so a "
-        "model that cannot call tools yet learns the format (trainer.warmup; default: "
+        "model that cannot call tools yet learns the format (trainer.envs.warmup; default: "
         f"{WARMUP_STEPS} for a built model with an environment that has tools, else 0)",
     )
     p.add_argument(

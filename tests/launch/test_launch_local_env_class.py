@@ -19,7 +19,7 @@ from server_process import free_port
 
 from launcher.config import LocalConfig, env_kind
 from launcher.local import local_plan, summarize
-from trainer.env_report import EnvReport
+from trainer.envs.report import EnvReport
 
 REPO = Path(__file__).resolve().parents[2]
 

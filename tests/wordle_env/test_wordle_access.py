@@ -13,8 +13,8 @@ from conftest import ENV_API_KEY
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from trainer.env_spec import preflight, resolve
-from trainer.envs import WordleTool
+from trainer.envs.sessions import WordleTool
+from trainer.envs.spec import preflight, resolve
 from wordle_env.server.app import create_wordle_app
 from wordle_env.server.sessions import POLICY_CLOSE_CODE, SessionLimits
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import pickle
 
-from trainer.envs import OpenEnvTextTool, WordleTool
+from trainer.envs.sessions import OpenEnvTextTool, WordleTool
 
 
 def _tools(cls: type) -> list[str]:

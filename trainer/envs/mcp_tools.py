@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from .envs import OpenEnvSession
+from .sessions import OpenEnvSession
 
 __all__ = ["MCPSession", "ToolSpec", "mcp_session", "tool_methods"]
 

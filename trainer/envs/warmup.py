@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from .env_spec import EnvSpec, session_tools
+from .spec import EnvSpec, session_tools
 
 __all__ = [
     "WARMUP_SEED",

@@ -22,9 +22,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .envs import ENVIRONMENTS, OpenEnvSession
 from .mcp_tools import MCPSession, mcp_session
 from .openenv_inspect import EnvSetupError, check_action, inspect_server
+from .sessions import ENVIRONMENTS, OpenEnvSession
 
 __all__ = [
     "EnvSetupError",

@@ -78,7 +78,7 @@ def check_action(url: str, action: dict[str, Any], timeout: float = 15.0) -> Non
 def _list_tools(url: str, timeout: float, api_key: str | None) -> tuple[ToolSpec, ...]:
     from websockets.exceptions import WebSocketException
 
-    from .env_client import env_client
+    from .client import env_client
 
     client = env_client(url, api_key, message_timeout_s=timeout).sync()
     try:

@@ -6,7 +6,7 @@ type hints and Google docstrings) and reads `get_reward()`. Objects must be pick
 are built with `functools.partial(Class, base_url=...)`.
 
 Servers need no code: `--env URL` plays TextArena-shaped servers through `OpenEnvTextTool` and
-MCP-tool servers through one tool per server tool (`trainer.mcp_tools`). For any other action
+MCP-tool servers through one tool per server tool (`trainer.envs.mcp_tools`). For any other action
 shape, subclass `OpenEnvSession`: override `_action` (tool argument -> action dict) and `_text`
 (observation dict -> text for the model), set `prompt` (the instruction each rollout starts
 with), and add one public method per tool, with the name, type hints and docstring the model
@@ -69,7 +69,7 @@ class OpenEnvSession:
     prompt = "Play the game with your tools until it is over."
     examples: ClassVar[dict[str, tuple[Any, ...]]] = {}
     """Values a tool argument of this name may take, for the format warm-up's synthetic calls
-    (`trainer.warmup`); an argument not named here gets a value drawn from its JSON schema."""
+    (`trainer.envs.warmup`); an argument not named here gets a value drawn from its JSON schema."""
     reward_source: ClassVar[str | None] = None
     """What the reward is, in the trainer's log and report (None: the server's reward of the
     episode's last step, or `Class.get_reward()` when a subclass overrides it)."""
@@ -105,7 +105,7 @@ class OpenEnvSession:
         return self._text(result.observation)
 
     def _open(self) -> None:
-        from .env_client import env_client
+        from .client import env_client
 
         self._client = env_client(self.base_url, self.api_key).sync()
         with _OPEN_LOCK:
