@@ -620,12 +620,6 @@ def _find(classes, wanted, carry, first_row, first_col, origin, w, groups):
     return torch.cat(index), torch.cat(entries)
 
 
-def _encode(changes, shapes, base, rows) -> dict[str, torch.Tensor]:
-    if base is None:
-        raise ValueError("the ctx encoding codes against the base: pass `base`")
-    return encode_changes(changes, base, shapes, rows)
-
-
 def _decode(one: TensorToDecode) -> TensorChange:
     (blob,) = one.arrays
     if one.held is not None:  # classes and ranks where the base lives
@@ -638,4 +632,10 @@ def _decode(one: TensorToDecode) -> TensorChange:
     )
 
 
-register_codec("ctx", encode=_encode, decode=_decode, needs_base=True, device_decode=True)
+register_codec(
+    "ctx",
+    encode=lambda changes, shapes, base, rows: encode_changes(changes, base, shapes, rows),
+    decode=_decode,
+    needs_base=True,
+    device_decode=True,
+)

@@ -243,6 +243,8 @@ def encode_delta(
         state_digest=state_digest,  # type: ignore[arg-type]
         part=part,
     )
+    if codec.needs_base and base is None:
+        raise ValueError(f"the {encoding} encoding codes against the base: pass `base`")
     rows = None if part is None else {n: part.rows[n] for n in diff.changes}
     payload = codec.encode(diff.changes, diff.shapes, base, rows)
     return safetensors.torch.save(payload, metadata=meta.to_strings())

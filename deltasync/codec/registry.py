@@ -92,12 +92,21 @@ class DeltaCodec:
 _CODECS: dict[str, DeltaCodec] = {}
 
 
-def register_codec(tag: str, **codec: object) -> DeltaCodec:
+def register_codec(
+    tag: str,
+    *,
+    encode: Encode,
+    decode: Callable[[TensorToDecode], TensorChange],
+    needs_base: bool = False,
+    steps_from_base: bool = True,
+    device_decode: bool = False,
+) -> DeltaCodec:
     """Register the codec of the delta encoding `tag` (registered with the wire already)."""
     wire = spec_of(tag)
     if wire.kind != "delta" or tag in _CODECS:
         raise ValueError(f"{tag!r}: a codec is for a delta encoding, registered once")
-    _CODECS[tag] = found = DeltaCodec(wire, **codec)  # type: ignore[arg-type]
+    found = DeltaCodec(wire, encode, decode, needs_base, steps_from_base, device_decode)
+    _CODECS[tag] = found
     return found
 
 

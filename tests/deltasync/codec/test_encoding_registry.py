@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import safetensors.torch
+import torch
 
 import deltasync.codec.files  # noqa: F401  (its codecs register on import)
 from deltasync.codec import ENCODINGS, ParsedFile
@@ -81,3 +82,20 @@ def test_no_product_code_switches_on_an_encoding_name():
             if isinstance(node, ast.Compare) and _switches_on_a_tag(node, source):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert found == [], found
+
+
+def test_a_codec_that_codes_against_the_base_is_refused_without_it():
+    from deltasync.codec import encode_delta
+    from deltasync.kernels.state_hash import full_state_digest
+    from deltasync.publisher.snapshot import Bf16Snapshot
+
+    old = {"w": torch.zeros(64, dtype=torch.bfloat16)}
+    new = {"w": torch.ones(64, dtype=torch.bfloat16)}
+    diff = Bf16Snapshot(old).diff(new)
+    for tag in ENCODINGS:
+        kwargs = {"run_id": "run", "version": 2, "base_version": 1, "encoding": tag}
+        kwargs["state_digest"] = full_state_digest(new)
+        if codec_of(tag).needs_base:
+            with pytest.raises(ValueError, match=f"the {tag} encoding codes against the base"):
+                encode_delta(diff, **kwargs)
+        assert encode_delta(diff, **kwargs, base=old)  # every codec takes the base
