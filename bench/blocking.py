@@ -169,7 +169,8 @@ def publish_side_by_side(
     return out
 
 
-def _publish_table(result: dict[str, list[dict]], train_s: float) -> None:
+def publish_table(result: dict[str, list[dict]], train_s: float) -> str:
+    """`Publisher.publish` per encoding against runs without a publisher before and after."""
     med = {
         enc: {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "step"}
         for enc, rows in result.items()
@@ -177,20 +178,42 @@ def _publish_table(result: dict[str, list[dict]], train_s: float) -> None:
     before, after = med.pop("none"), med.pop("none after")
     base = {"train_rate": (before["train_rate"] + after["train_rate"]) / 2}
     first = next(iter(med))
-    print(f"\n`Publisher.publish` per encoding, a {train_s:g} s stand-in training step between")
-    print(
+    lines = [
+        f"`Publisher.publish` per encoding, a {train_s:g} s stand-in training step between",
+        "",
         f"| encoding | publish blocks s (median) | vs {first} | worker encode s | delta MB | "
-        "training throughput vs no publisher |"
-    )
-    print("|---|---|---|---|---|---|")
+        "training throughput vs no publisher |",
+        "|---|---|---|---|---|---|",
+    ]
     for enc, m in med.items():
-        print(
+        lines.append(
             f"| {enc} | {m['publish_s']:.3f} | {m['publish_s'] / med[first]['publish_s']:.2f}x | "
             f"{m['encode_s']:.2f} | {m['delta_bytes'] / 1e6:.1f} | "
             f"{m['train_rate'] / base['train_rate']:.2f}x |"
         )
     drift = after["train_rate"] / before["train_rate"]
-    print(f"(no publisher: the last run's throughput {drift:.2f}x the first's)")
+    lines.append(f"(no publisher: the last run's throughput {drift:.2f}x the first's)")
+    return "\n".join(lines)
+
+
+def detection_table(rows: list[dict]) -> str:
+    """Each change-detection mode's blocking time, medians over the steps."""
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "step"}
+    lines = [
+        f"{len(rows)} steps at {100 * med['density']:.2f} % density",
+        "",
+        "| mode | blocking s (median) | vs the host path |",
+        "|---|---|---|",
+    ]
+    for key, label in (
+        ("before_s", "host path: bf16 view + scan + per-tensor hashes (CPU trainer)"),
+        ("host_s", "host path without the hashes"),
+        ("device_s", "device mode on CPU tensors (device=cpu)"),
+    ):
+        lines.append(f"| {label} | {med[key]:.3f} | {med['before_s'] / med[key]:.2f}x |")
+    worker = med["digests_worker_s"]
+    lines.append(f"\ndevice mode: hashing the host mirror in the worker, {worker:.3f} s")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,18 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=json_path, default=None)
     args = ap.parse_args(argv)
     rows = measure(args.model, density=args.density, steps=args.steps, repeat=args.repeat)
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "step"}
-    print(f"### {args.model}, {len(rows)} steps at {100 * med['density']:.2f} % density")
-    print("| mode | blocking s (median) | vs the host path |")
-    print("|---|---|---|")
-    for key, label in (
-        ("before_s", "host path: bf16 view + scan + per-tensor hashes (CPU trainer)"),
-        ("host_s", "host path without the hashes"),
-        ("device_s", "device mode on CPU tensors (device=cpu)"),
-    ):
-        print(f"| {label} | {med[key]:.3f} | {med['before_s'] / med[key]:.2f}x |")
-    print(f"\ndevice mode: hashing the host mirror in the worker, {med['digests_worker_s']:.3f} s")
-    print(f"threads {torch.get_num_threads()}/{os.cpu_count()} cpus")
+    text = f"### {args.model}, {detection_table(rows)}"
     published = {}
     if args.encodings:
         published = publish_side_by_side(
@@ -242,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             lr=args.lr,
             cache=args.cache,
         )
-        _publish_table(published, args.train_s)
-    save_json({"detection": rows, "publish": published}, args.json)
+        text += "\n\n" + publish_table(published, args.train_s)
+    print(text)
+    print(f"threads {torch.get_num_threads()}/{os.cpu_count()} cpus")
+    save_json({"detection": rows, "publish": published, "markdown": text}, args.json)
     return 0
 
 

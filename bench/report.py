@@ -42,8 +42,6 @@ WITHOUT_SAVED_RESULT: tuple[tuple[str, str], ...] = (
     ("BENCHMARKS.md", "| pass | wall s | CPU s | the O(changed) update is |"),
     ("BENCHMARKS.md", "| | before (0b423ae) | after | after / before |"),
     ("BENCHMARKS.md", "| ranks | shard params | CPU-s per rank | part MB per rank |"),
-    ("BENCHMARKS.md", "| encoding | publish blocks s (median) | vs ans | worker enc"),
-    ("BENCHMARKS.md", "| mode | blocking s (median) | vs the host path |"),
     ("BENCHMARKS.md", "| per step | qwen3-0.6b (596M) | qwen3-1.7b (1.72B) |"),
     ("BENCHMARKS.md", "| density | changed | device mode | to host | host waits | t"),
     ("BENCHMARKS.md", "| density | changed | staging | staged to device | commit (t"),
