@@ -188,6 +188,41 @@ def run(
     }
 
 
+def _gb(size: int | None) -> str:
+    return "-" if size is None else f"{size / 1e9:.1f} GB"  # None: not measured (CPU)
+
+
+def table(result: dict) -> str:
+    """Per step on each model, medians: what BENCHMARKS.md's "GPU figures" shows (part 1)."""
+
+    def size(params: int) -> str:
+        return f"{params / 1e6:.0f}M" if params < 1e9 else f"{params / 1e9:.2f}B"
+
+    models = result["models"]
+    med = [m["median"] for m in models]
+    rows = {
+        "density (median)": [f"{100 * x['density']:.2f} %" for x in med],
+        "optimizer step": [f"{x['optimizer_step_s']:.3f} s" for x in med],
+        "change detection, host-snapshot mode": [
+            f"{x['detect_host_snapshot_s']:.3f} s" for x in med
+        ],
+        "change detection, device mode": [f"{x['detect_device_s']:.3f} s" for x in med],
+        "digest update / per-tensor digests (worker)": [
+            f"{x['digest_update_s']:.3f} / {x['tensor_digests_worker_s']:.3f} s" for x in med
+        ],
+        "encode (`ans`)": [f"{x['encode_ans_s']:.3f} s" for x in med],
+        "delta": [f"{x['delta_bytes'] / 1e6:.1f} MB" for x in med],
+        "replica stage / apply (the pause)": [
+            f"{x['replica_stage_s']:.3f} / {x['replica_apply_s']:.3f} s" for x in med
+        ],
+        "peak device memory": [_gb(m["peak_device_bytes"]) for m in models],
+    }
+    head = " | ".join(f"{m['model']} ({size(m['params'])})" for m in models)
+    lines = [f"| per step | {head} |", "|---|" + "---:|" * len(models)]
+    lines += [f"| {name} | {' | '.join(cells)} |" for name, cells in rows.items()]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
     p.add_argument("--device", type=torch_device, default="cuda")
@@ -213,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "part": "gpu",
         "ok": True,
     }
+    result["markdown"] = table(result)
     print(json.dumps(result, indent=1))
     save_json(result, args.json)
     return 0

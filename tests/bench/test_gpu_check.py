@@ -41,6 +41,8 @@ def test_dry_run_runs_every_part_on_cpu_tensors(tmp_path):
     (model,) = parts["gpu"]["models"]  # 1: reported steps after the warm-up
     assert [s["step"] for s in model["steps"]] == [1, 2]
     assert all(s["delta_bytes"] > 0 for s in model["steps"])
+    # the table BENCHMARKS.md shows (bench.report checks it against the GPU run's JSON)
+    assert parts["gpu"]["markdown"].startswith("| per step | qwen3-micro (0M) |\n|---|---:|")
 
     detect = parts["gpu_detect"]  # 2: four densities, the host path once, equal diffs
     assert [r["target_density"] for r in detect["densities"]] == [0.005, 0.03, 0.15, 0.5]
