@@ -37,7 +37,7 @@ from deltasync.vllm_ext.apply.inplace import InPlaceSink
 from deltasync.wire.digests import StateDigest
 from deltasync.wire.metadata import TensorEntry
 
-from .gpu_common import Peak, Transfers, part_main, shape_of, synchronize
+from .gpu_common import Peak, Transfers, mib, part_main, shape_of, synchronize
 from .models.qwen3 import build_config
 from .models.vllm_layout import StandInQwen3, standin_layout
 from .synthetic import parameter_shapes
@@ -237,8 +237,26 @@ def _options(p) -> None:
     p.add_argument("--free-gb", type=int, default=6, help="free device memory left (GB)")
 
 
+def table(result: dict) -> str:
+    """Each density's staging and commit."""
+    lines = [
+        "| density | changed | staging | staged to device | commit (the pause) | transient peak "
+        "| OOM |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in result["deltas"]:
+        staging, commit = row["staging"], row["commit"]
+        lines.append(
+            f"| {100 * row['target_density']:g} % | {row['changed'] / 1e6:.1f}M | "
+            f"{staging['wall_s']:.2f} s | {staging['bytes_to_device'] / 1e9:.2f} GB | "
+            f"{commit['pause_s']:.3f} s | {mib(commit['transient_peak_bytes'])} | "
+            f"{'yes' if commit['oom'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return part_main("gpu_commit", __doc__, run, argv, _options)
+    return part_main("gpu_commit", __doc__, run, argv, _options, table)
 
 
 if __name__ == "__main__":

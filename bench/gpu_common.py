@@ -203,15 +203,21 @@ class Part:
             os.replace(tmp, self.path)
 
 
+def mib(size: int | None) -> str:
+    return "-" if size is None else f"{size / 2**20:.0f} MiB"  # None: not measured (CPU)
+
+
 def part_main(
     name: str,
     doc: str,
     run: Callable[[argparse.Namespace, Part, torch.device], bool],
     argv: Sequence[str] | None = None,
     extra: Callable[[argparse.ArgumentParser], None] | None = None,
+    table: Callable[[dict], str] | None = None,
 ) -> int:
     """Parse `--device`, `--small`, `--json` (and `extra`'s options), run, and record `ok`:
-    `run` returns whether every check held; an exception is recorded with its traceback."""
+    `run` returns whether every check held; an exception is recorded with its traceback. A
+    complete part keeps `table` of its result as `markdown` (BENCHMARKS.md shows it)."""
     p = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=doc.split("\n")[0])
     p.add_argument("--device", type=torch_device, default="cuda")
     p.add_argument("--small", action="store_true", help="small shapes, few steps (CI dry run)")
@@ -230,5 +236,7 @@ def part_main(
         print(traceback.format_exc(), file=sys.stderr, flush=True)
         return 1
     part.update(ok=ok, complete=True)
+    if table is not None:
+        part.update(markdown=table(part.result))
     print(json.dumps(part.result, indent=1, default=str), flush=True)
     return 0 if ok else 1

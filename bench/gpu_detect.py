@@ -27,7 +27,7 @@ from deltasync.arguments import count
 from deltasync.publisher.device_snapshot import DeviceSnapshot
 from deltasync.publisher.snapshot import Bf16Snapshot
 
-from .gpu_common import Peak, Transfers, part_main, shape_of, synchronize
+from .gpu_common import Peak, Transfers, mib, part_main, shape_of, synchronize
 from .synthetic import parameter_shapes
 
 __all__ = ["main"]
@@ -138,8 +138,34 @@ def _options(p) -> None:
     p.add_argument("--layers", type=count, default=None, help="cut the shape to N layers")
 
 
+def table(result: dict) -> str:
+    """Each density's device-mode diff, then the host path at its density (its bytes to the host
+    are every parameter as bf16: the counter misses the pool threads' copies)."""
+    lines = [
+        "| density | changed | device mode | to host | host waits | transient peak |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    changed = {}
+    for row in result["densities"]:
+        d = row["device"]
+        changed[row["target_density"]] = row["changed"]
+        lines.append(
+            f"| {100 * row['target_density']:g} % | {row['changed'] / 1e6:.1f}M | "
+            f"{d['wall_s']:.2f} s | {d['bytes_to_host'] / 1e9:.2f} GB | {d['host_waits']} | "
+            f"{mib(d['transient_peak_bytes'])} |"
+        )
+    host = result.get("host_path")
+    if host:
+        at = min(changed, key=lambda t: abs(t - host["density"]))
+        lines.append(
+            f"| host path, {100 * at:g} % | {changed[at] / 1e6:.1f}M | {host['wall_s']:.2f} s | "
+            f"{2 * result['elements'] / 1e9:.1f} GB | - | {mib(host['transient_peak_bytes'])} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return part_main("gpu_detect", __doc__, run, argv, _options)
+    return part_main("gpu_detect", __doc__, run, argv, _options, table)
 
 
 if __name__ == "__main__":

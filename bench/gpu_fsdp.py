@@ -122,8 +122,24 @@ def _options(p) -> None:
     p.add_argument("--lr", type=float, default=1e-4)
 
 
+def table(result: dict) -> str:
+    """Each published version: density, publish time and its parts, bytes."""
+    lines = [
+        "| version | density | publish | diff / encode / upload | bytes |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for v in result["versions"]:
+        name = f"{v['version']} (anchor)" if v["changed"] == v["elements"] else str(v["version"])
+        lines.append(
+            f"| {name} | {100 * v['changed'] / v['elements']:.3g} % | {v['publish_s']:.2f} s | "
+            f"{v['diff_s']:.2f} / {v['encode_s']:.2f} / {v['upload_s']:.2f} s | "
+            f"{v['bytes'] / 1e6:.0f} MB |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return part_main("gpu_fsdp", __doc__, run, argv, _options)
+    return part_main("gpu_fsdp", __doc__, run, argv, _options, table)
 
 
 if __name__ == "__main__":

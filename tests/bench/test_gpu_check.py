@@ -43,6 +43,8 @@ def test_dry_run_runs_every_part_on_cpu_tensors(tmp_path):
     assert all(s["delta_bytes"] > 0 for s in model["steps"])
     # the table BENCHMARKS.md shows (bench.report checks it against the GPU run's JSON)
     assert parts["gpu"]["markdown"].startswith("| per step | qwen3-micro (0M) |\n|---|---:|")
+    for name in ("gpu_detect", "gpu_commit", "gpu_digest", "gpu_fsdp"):  # the same, per part
+        assert parts[name]["markdown"].startswith("| "), name
 
     detect = parts["gpu_detect"]  # 2: four densities, the host path once, equal diffs
     assert [r["target_density"] for r in detect["densities"]] == [0.005, 0.03, 0.15, 0.5]
