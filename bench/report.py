@@ -40,7 +40,6 @@ WITHOUT_SAVED_RESULT: tuple[tuple[str, str], ...] = (
     ("README.md", "| run | time | rollouts with a valid tool call | mean reward"),
     ("BENCHMARKS.md", "| target | measured | |"),
     ("BENCHMARKS.md", "| | before (2edf717^) | after | after / before |"),
-    ("BENCHMARKS.md", "| pass | wall s | CPU s | the O(changed) update is |"),
     ("BENCHMARKS.md", "| | before (0b423ae) | after | after / before |"),
     ("BENCHMARKS.md", "| ranks | shard params | CPU-s per rank | part MB per rank |"),
     ("BENCHMARKS.md", "| zstd level | layout | size vs plain | compress GB/s (1 thr"),
