@@ -8,10 +8,10 @@ and saved with its results (the JSON's `markdown` or `summary` text):
 and the section (`## ...`) it is in gives the command that wrote that JSON (`--json` and a
 path ending in its name). `python -m bench.report` rewrites each marked table from its JSON;
 `--check` rewrites nothing and exits 1 naming each table that differs from its JSON, a marker
-whose JSON or table is missing, a section that names no command for its JSON, and a figure table
-with no marker. The tables still waiting for a saved result are listed in `WITHOUT_SAVED_RESULT`
-(how their first line starts) and reported, not failed; a listed table that gains a marker, or
-is gone, must leave the list.
+whose JSON or table is missing, a marker with no table below it, a section that names no command
+for its JSON, and a figure table with no marker. The tables still waiting for a saved result are
+listed in `WITHOUT_SAVED_RESULT` (how their first line starts, one entry per table) and reported,
+not failed; a listed table that gains a marker, or is gone, must leave the list.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ MARKER = re.compile(r"<!-- figure: (\S+\.json) table (\d+) -->")
 # The keys under which a benchmark keeps the text it printed (bench/output.py).
 SAVED_TEXT = ("markdown", "summary")
 # A table whose rows carry a measured quantity is a figure (README also has tables of names).
-FIGURE = re.compile(r"\|[^|\n]*\d(?:\.\d+)?\s?(?:s|ms|%|MB|GB|kB|MB/s|GB/s|min|x)\b")
+FIGURE = re.compile(r"\|[^|\n]*\d(?:\.\d+)?\s?(?:%|(?:s|ms|MB|GB|kB|MB/s|GB/s|min|x)\b)")
 # Figure tables whose run saved nothing to render them from yet (issue 47: re-run each, or
-# remove it): (document, how the table's first line starts).
+# remove it): (document, how the table's first line starts), one entry per table.
 WITHOUT_SAVED_RESULT: tuple[tuple[str, str], ...] = (
     ("README.md", "| run | time | rollouts with a valid tool call | mean reward"),
-    ("BENCHMARKS.md", "| target | measured | |"),
+    ("BENCHMARKS.md", "| target | measured | |"),  # issue 9's targets
+    ("BENCHMARKS.md", "| target | measured | |"),  # issue 16's
     ("BENCHMARKS.md", "| | before (2edf717^) | after | after / before |"),
     ("BENCHMARKS.md", "| | before (0b423ae) | after | after / before |"),
     ("BENCHMARKS.md", "| ranks | shard params | CPU-s per rank | part MB per rank |"),
@@ -89,8 +90,9 @@ def _sections(lines: list[str]) -> list[str]:
 
 
 def _tables(doc: str, text: str) -> list[Table]:
-    lines = text.split("\n")
-    sections = _sections(lines)
+    """The tables of a document (outside code fences), each with the marker right above it."""
+    sections = _sections(text.split("\n"))  # commands in code fences count
+    lines = _outside_fences(text.split("\n"))
     found, i = [], 0
     while i < len(lines):
         if not lines[i].startswith("|"):
@@ -107,12 +109,38 @@ def _tables(doc: str, text: str) -> list[Table]:
     return found
 
 
+def _outside_fences(lines: list[str]) -> list[str]:
+    """`lines` with those inside ``` fences blanked (their line numbers kept)."""
+    out, fenced = [], False
+    for line in lines:
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            out.append("")
+        else:
+            out.append("" if fenced else line)
+    return out
+
+
+def _orphan_markers(doc: str, text: str) -> list[str]:
+    """Markers with no table right below them (the table was removed or moved)."""
+    lines = _outside_fences(text.split("\n"))
+    problems = []
+    for i, line in enumerate(lines):
+        if MARKER.fullmatch(line.strip()):
+            after = next((x for x in lines[i + 1 :] if x.strip()), "")
+            if not after.startswith("|"):
+                problems.append(f"{doc}:{i + 1}: a marker with no table below it")
+    return problems
+
+
 def render(source: str, number: int, root: Path = REPO) -> str:
     """Table `number` (from 1) of the text the benchmark saved in `source`."""
     path = root / source
     if not path.is_file():
         raise LookupError(f"{source} does not exist")
     result = json.loads(path.read_text())
+    if not isinstance(result, dict):
+        raise LookupError(f"{source} keeps no printed table (not a JSON object)")
     text = next((result[k] for k in SAVED_TEXT if isinstance(result.get(k), str)), None)
     if text is None:
         raise LookupError(f"{source} keeps no printed table ({' or '.join(SAVED_TEXT)})")
@@ -138,7 +166,7 @@ def _problems(table: Table, root: Path) -> list[str]:
     except LookupError as exc:
         return [f"{table.where}: {exc}"]
     problems = []
-    if not re.search(rf"--json\s+\S*{re.escape(Path(source).name)}\b", table.section):
+    if not re.search(rf"--json[\s=]+\S*{re.escape(Path(source).name)}\b", table.section):
         problems.append(f"{table.where}: its section names no command writing {source}")
     if table.text != want:
         problems.append(f"{table.where}: differs from table {number} of {source}")
@@ -161,6 +189,7 @@ def check(root: Path = REPO, *, write: bool = False) -> tuple[list[str], list[st
                         lines[table.start : table.stop] = render(*table.source, root).split("\n")
             path.write_text("\n".join(lines))
             tables = _tables(doc, path.read_text())
+        problems += _orphan_markers(doc, path.read_text())
         for table in tables:
             problems += _problems(table, root)
             if table.source is None and _waiting(doc, table.text):
@@ -168,11 +197,15 @@ def check(root: Path = REPO, *, write: bool = False) -> tuple[list[str], list[st
     unmarked = [
         (d, t.text) for d in DOCS for t in _tables(d, (root / d).read_text()) if not t.source
     ]
-    problems += [
-        f"{doc}: WITHOUT_SAVED_RESULT lists a table that is not there (or has a marker): {first}"
-        for doc, first in WITHOUT_SAVED_RESULT
-        if not any(d == doc and text.startswith(first) for d, text in unmarked)
-    ]
+    for entry in dict.fromkeys(WITHOUT_SAVED_RESULT):
+        doc, first = entry
+        found = sum(d == doc and text.startswith(first) for d, text in unmarked)
+        listed = WITHOUT_SAVED_RESULT.count(entry)
+        if found != listed:
+            problems.append(
+                f"{doc}: WITHOUT_SAVED_RESULT lists {listed} unmarked table(s) starting "
+                f"{first!r}, the document has {found}"
+            )
     return problems, waiting
 
 

@@ -85,4 +85,40 @@ def test_a_waiting_table_that_gains_a_marker_must_leave_the_list(root):
         "\n<!-- figure: bench/results/scaling.json table 1 -->\n\n| zstd level |",
     )
     problems = check(root)[0]
-    assert any("WITHOUT_SAVED_RESULT lists a table that is not there" in p for p in problems)
+    assert any("WITHOUT_SAVED_RESULT lists 1 unmarked table(s) starting" in p for p in problems)
+
+
+def test_a_marker_left_without_its_table_is_reported(root):
+    doc = root / "BENCHMARKS.md"
+    text = doc.read_text()
+    start = text.index(MARKED) + len(MARKED)
+    table = text[start:].split("\n\n", 2)[1]  # the blank line after the marker, then the table
+    doc.write_text(text.replace(table, "(the table was removed)", 1))
+    assert any("a marker with no table below it" in p for p in check(root)[0])
+
+
+def test_a_readme_table_of_percentages_is_a_figure_and_fenced_tables_are_text(root):
+    readme = root / "README.md"
+    readme.write_text(
+        readme.read_text()
+        + "\n```\n| in a code fence | 5 % |\n|---|---|\n```\n\n| share | of runs |\n|---|---|\n"
+        "| valid calls | 42 % |\n"
+    )
+    problems = check(root)[0]
+    assert [p for p in problems if "README.md" in p] == [
+        f"README.md:{len(readme.read_text().splitlines()) - 2}: a figure with no source marker"
+    ], problems
+
+
+def test_the_waiting_list_counts_tables_with_the_same_header(root):
+    doc = root / "BENCHMARKS.md"
+    text = doc.read_text()
+    first = text.index("\n| target | measured | |")  # the first of two verdict tables
+    doc.write_text(
+        text[:first] + "\n<!-- figure: bench/results/scaling.json table 1 -->\n" + text[first:]
+    )
+    problems = check(root)[0]
+    assert any(
+        "lists 2 unmarked table(s) starting '| target | measured | |', the document has 1" in p
+        for p in problems
+    ), problems
