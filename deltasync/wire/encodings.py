@@ -85,57 +85,22 @@ def tags(kind: Kind, protocol: int | None = None) -> tuple[str, ...]:
     )
 
 
-# Deltas, the preferred first (`deltasync.defaults.ENCODING` is the default one).
-register(
-    Encoding(
-        "ans",
-        "delta",
-        since_protocol=4,
-        metadata={"format": "deltasync_ans", "ans": "rans14-gap+zigzag-bitdiff"},
-        suffixes=(".gaps", ".vals"),
-        dtypes=("U8", "U8"),
-    )
-)
-register(
-    Encoding(
-        "ctx",
-        "delta",
-        since_protocol=6,
-        metadata={"format": "deltasync_ctx", "ctx": "exponent-groups/tiles/rans14"},
-        suffixes=(".ctx",),
-        dtypes=("U8",),
-    )
-)
-register(
-    Encoding(
-        "packed",
-        "delta",
-        since_protocol=1,
-        metadata={"format": "deltasync_packed", "packed": "leb128-gap+zigzag-bitdiff/zstd"},
-        suffixes=(".gaps", ".vals"),
-        dtypes=("U8", "U8"),
-    )
-)
-# TRL's sparse weight patch: loaders that know its `format` read it as it is.
-register(
-    Encoding(
-        "coo",
-        "delta",
-        since_protocol=1,
-        metadata={"format": "sparse_weight_patch", "version": "1"},
-        suffixes=(".indices", ".values"),
-        dtypes=("I32", "BF16"),
-    )
-)
-# Anchors: every tensor whole, or (virtual) a header naming the checkpoint that holds them; no
-# loader may take a virtual anchor for a checkpoint, so its `format` is its own.
-register(Encoding("full", "anchor", since_protocol=1, metadata={"format": "pt"}))
-register(
-    Encoding(
-        "virtual",
-        "anchor",
-        since_protocol=4,
-        metadata={"format": "deltasync_virtual"},
-        holds_weights=False,
-    )
-)
+# Deltas in the order `--encoding` lists them (`deltasync.defaults.ENCODING` is the default);
+# `coo` is TRL's sparse weight patch, which loaders that know its `format` read as it is. Anchors:
+# every tensor whole, or (virtual) a header naming the checkpoint that holds them; no loader may
+# take a virtual anchor for a checkpoint, so its `format` is its own.
+_U8 = ("U8", "U8")
+for _spec in (
+    Encoding("ans", "delta", 4, {"format": "deltasync_ans", "ans": "rans14-gap+zigzag-bitdiff"},
+             (".gaps", ".vals"), _U8),
+    Encoding("ctx", "delta", 6, {"format": "deltasync_ctx", "ctx": "exponent-groups/tiles/rans14"},
+             (".ctx",), ("U8",)),
+    Encoding("packed", "delta", 1,
+             {"format": "deltasync_packed", "packed": "leb128-gap+zigzag-bitdiff/zstd"},
+             (".gaps", ".vals"), _U8),
+    Encoding("coo", "delta", 1, {"format": "sparse_weight_patch", "version": "1"},
+             (".indices", ".values"), ("I32", "BF16")),
+    Encoding("full", "anchor", 1, {"format": "pt"}),
+    Encoding("virtual", "anchor", 4, {"format": "deltasync_virtual"}, holds_weights=False),
+):  # fmt: skip
+    register(_spec)
