@@ -3,8 +3,8 @@ helpers in `model_steps.py`. (Conftest modules all share the import name `confte
 not importable helpers themselves.)
 
 Under pytest-xdist (README's test command: `-n 2`) the hooks below share the machine between the
-workers (`machine_share`): module-sized work units, the longest queued first, each worker's vLLM
-engines on its own cores, and `slow` and `whole_machine` tests alone on the machine."""
+workers (`machine_share`): module-sized work units, the longest queued first, each worker and
+what it starts on its own cores, and `whole_machine` tests alone on all of them."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from machine_share import (
     WHOLE_MACHINE,
     MachineLock,
     affinity,
+    on_cores,
     queue_rank,
     unit_of,
     worker_cores,
@@ -32,6 +33,7 @@ settings.load_profile("shared-machine")
 
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... (None: not under xdist)
 _USER_BIND = os.environ.get(BIND_ENV)
+_MACHINE = affinity()  # the cores a `whole_machine` test gets back
 # One folder per run, the same for its workers (xdist gives them the run's id).
 _LOCK = (
     None
@@ -43,10 +45,13 @@ _LOCK = (
 
 
 def pytest_configure() -> None:
-    """Under xdist: this worker's vLLM engines on its own cores."""
-    if WORKER is not None and _USER_BIND is None:
+    """Under xdist: this worker, what it starts, and its vLLM engines on its own cores."""
+    if WORKER is not None:
         workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-        os.environ[BIND_ENV] = worker_cores(int(WORKER[2:]), workers, affinity())
+        cores = worker_cores(int(WORKER[2:]), workers, _MACHINE)
+        os.sched_setaffinity(0, {int(core) for core in cores.split(",")})
+        if _USER_BIND is None:
+            os.environ[BIND_ENV] = cores
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -81,10 +86,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def _alone(item: pytest.Item | None) -> bool:
-    """Whether `item` runs with nothing beside it: marked `whole_machine`, or `slow` (real
-    servers, trainers: two side by side saturate 2 cores, vLLM's engines spinning on theirs,
-    and each ran about 5x slower than alone)."""
-    return item is not None and any(item.get_closest_marker(m) for m in (WHOLE_MACHINE, "slow"))
+    """Whether `item` runs with nothing beside it, on all the cores: marked `whole_machine`."""
+    return item is not None and item.get_closest_marker(WHOLE_MACHINE) is not None
 
 
 @pytest.hookimpl(wrapper=True)
@@ -109,14 +112,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 @contextlib.contextmanager
 def _bind_for(alone: bool) -> Iterator[None]:
-    """A test alone sees the user's own binding (none: launch.py splits the cores, one engine
-    takes vLLM's `auto`), as in a run without xdist."""
-    if not alone or _USER_BIND is not None:
+    """A test alone runs on all the cores and sees the user's own binding (none: launch.py
+    splits the cores, one engine takes vLLM's `auto`), as in a run without xdist."""
+    if not alone:
         yield
         return
-    bound = os.environ.pop(BIND_ENV, None)
+    bound = None if _USER_BIND is not None else os.environ.pop(BIND_ENV, None)
     try:
-        yield
+        with on_cores(_MACHINE):
+            yield
     finally:
         if bound is not None:
             os.environ[BIND_ENV] = bound

@@ -1,16 +1,21 @@
 """How tests share this machine when pytest-xdist runs them on several workers.
 
+- Each worker, and every process it starts (servers, trainers, torchrun ranks), runs on its own
+  share of the cores (`worker_cores`; the share is inherited, so a test's servers and trainer
+  stay on it), and its vLLM engines are bound to that share (`VLLM_CPU_OMP_THREADS_BIND`:
+  vLLM's own `auto` binds every engine to the same first cores). So two tests with real servers
+  or trainers run side by side, one per core: on 2 cores four such modules took 351 s pinned
+  that way against 568 s one after another, each test 1.0-1.2x its time alone, and a test
+  alone used 0.65 of a core on average, its processes mostly taking turns
+  (`bench/results/test_pairs.json`). Unpinned, two side by side each ran about 5x slower than
+  alone: their processes spun on each other's cores.
 - Every test holds a shared lock on the machine while it runs; a test marked `whole_machine`
-  (it asserts timings, a spread of work over engines or learning paced by the CPU) or `slow`
-  (real servers and trainers: two of them side by side saturate 2 cores, vLLM's engines
-  spinning on theirs, and each ran about 5x slower than alone) holds it exclusively, so no
-  other test runs beside it, and keeps holding it into the next test when that one runs alone
-  too. What runs in parallel is the many short tests. A turnstile lock keeps an exclusive one
-  from waiting forever behind a stream of shared ones (`flock` itself is not fair).
-- Each worker's vLLM engines are bound to that worker's share of the cores
-  (`VLLM_CPU_OMP_THREADS_BIND`): vLLM's own `auto` binds every engine to the same first cores, so
-  two workers' engines would share one core while the other sat idle. A `whole_machine` test
-  gets the variable back as the user's machine has it (launch.py splits the cores itself).
+  (it asserts timings, a spread of work over engines or learning paced by the CPU) holds it
+  exclusively, on all the cores, so no other test runs beside it, and keeps holding it into
+  the next test when that one runs alone too. A turnstile lock keeps an exclusive one from
+  waiting forever behind a stream of shared ones (`flock` itself is not fair). A
+  `whole_machine` test gets the binding back as the user's machine has it (launch.py splits the
+  cores itself).
 - Work units are modules (a module's fixtures, servers among them, start once), except:
   the modules in `SPLIT_MODULES`, whose tests are independent and long (a unit per test); the
   folders in `FOLDER_UNITS`, whose modules share session fixtures (a worker builds a session
@@ -25,8 +30,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -39,6 +46,7 @@ __all__ = [
     "WHOLE_MACHINE_UNITS",
     "MachineLock",
     "affinity",
+    "on_cores",
     "queue_rank",
     "unit_of",
     "worker_cores",
@@ -155,3 +163,15 @@ class MachineLock:
 def affinity() -> list[int]:
     """The cores this process may run on."""
     return sorted(os.sched_getaffinity(0))
+
+
+@contextlib.contextmanager
+def on_cores(cores: Iterable[int]) -> Iterator[None]:
+    """This process (its calling thread), and every process it starts meanwhile, on `cores`;
+    the cores it had before afterwards."""
+    before = affinity()
+    os.sched_setaffinity(0, set(cores))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

@@ -4,8 +4,11 @@ the cores each worker's engines get, and the queue order."""
 from __future__ import annotations
 
 import fcntl
+import json
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +18,8 @@ from machine_share import (
     WHOLE_MACHINE,
     WHOLE_MACHINE_UNITS,
     MachineLock,
+    affinity,
+    on_cores,
     queue_rank,
     unit_of,
     worker_cores,
@@ -118,6 +123,31 @@ def test_each_worker_gets_its_own_cores():
     assert [worker_cores(w, 2, [0, 1]) for w in range(2)] == ["0", "1"]
     assert [worker_cores(w, 2, [3, 2, 1, 0]) for w in range(2)] == ["0,1", "2,3"]
     assert [worker_cores(w, 3, [0, 1]) for w in range(3)] == ["0", "1", "0"]  # round-robin
+
+
+AFFINITY = "import json, os; print(json.dumps(sorted(os.sched_getaffinity(0))))"
+
+
+def _child_affinity() -> list[int]:
+    done = subprocess.run(
+        [sys.executable, "-c", AFFINITY], capture_output=True, text=True, timeout=60, check=True
+    )
+    return json.loads(done.stdout)
+
+
+def test_on_cores_holds_the_process_and_what_it_starts():
+    before = affinity()
+    with on_cores(before[:1]):
+        assert affinity() == before[:1] and _child_affinity() == before[:1]
+    assert affinity() == before and _child_affinity() == before
+
+
+def test_a_worker_and_what_it_starts_run_on_its_own_cores():
+    """Under README's `-n 2` this test's worker is on its share of the cores, and so is every
+    process it starts; without xdist, the machine."""
+    assert _child_affinity() == affinity()
+    if os.environ.get("PYTEST_XDIST_WORKER_COUNT") == "2" and (os.cpu_count() or 1) > 1:
+        assert len(affinity()) < (os.cpu_count() or 1)
 
 
 def test_the_longest_units_first_and_the_whole_machine_unit_last():
