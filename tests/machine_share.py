@@ -66,6 +66,7 @@ WHOLE_MACHINE_UNITS = (
     "tests/launch/test_launch_local_e2e.py",
     "tests/trainer/test_train_e2e.py",
     "tests/trainer/test_replica_death.py",
+    "tests/dashboard/test_screenshot.py",
     "tests/wordle_env/test_wordle_sessions.py",
     "tests/wordle_env/test_wordle_load.py",
     "tests/wordle_env/test_wordle_access.py",
