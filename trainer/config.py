@@ -9,10 +9,18 @@ from pathlib import Path
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
+from . import defaults
 from .defaults import BUILT
 from .random_qwen3 import MARKER, PRESETS, Preset, build_tiny_qwen3
 
-__all__ = ["BUILT_CHAT", "CPU_STALENESS", "build_config", "built_preset", "prepare_model"]
+__all__ = [
+    "BUILT_CHAT",
+    "CPU_STALENESS",
+    "build_config",
+    "built_preset",
+    "max_staleness",
+    "prepare_model",
+]
 
 # How a built model's turns are rendered: with Qwen3's empty think block in the generation
 # prompt. The template re-renders every earlier assistant turn with that block, so without it in
@@ -66,10 +74,11 @@ def build_config(
     dozen steps show learning on a CPU (16 tokens for the sanity task, 64 for a tool call), a
     real model the RL defaults (lr 1e-6, 1024 tokens)."""
     preset = _preset(model)
-    lr = args.lr if args.lr is not None else (preset.lr if preset else 1e-6)
-    # a built model's tool call is about 25 tokens (`trainer.random_qwen3.TOOL_CALL_PIECES`)
-    built_length = 16 if args.env == "sanity" else 64
-    length = args.max_completion_length or (built_length if preset else 1024)
+    lr = args.lr if args.lr is not None else (preset.lr if preset else defaults.LR)
+    built_length = defaults.BUILT_COMPLETION_LENGTH["sanity" if args.env == "sanity" else "tools"]
+    length = args.max_completion_length or (
+        built_length if preset else defaults.MAX_COMPLETION_LENGTH
+    )
     return AsyncGRPOConfig(
         output_dir=args.output_dir,
         max_steps=args.steps,
@@ -88,7 +97,7 @@ def build_config(
         logging_steps=1,
         report_to="none",
         save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500,
+        save_steps=args.save_steps or defaults.SAVE_STEPS,
         seed=args.seed,
         use_cpu=cpu,
         gradient_checkpointing=not cpu,
@@ -98,9 +107,18 @@ def build_config(
         # old as that pipeline is deep (`CPU_STALENESS`).
         max_inflight_tasks=args.num_generations if cpu else -1,
         queue_maxsize=args.batch_size if cpu else 1024,
-        max_staleness=(1 if args.env == "sanity" else CPU_STALENESS) if cpu else 4,
+        max_staleness=max_staleness(args, cpu),
         dtype="float32",
     )
+
+
+def max_staleness(args: argparse.Namespace, cpu: bool) -> int:
+    """TRL's `max_staleness`: how many versions a sample may lag the trainer's (`CPU_STALENESS`
+    on a CPU, 1 for the sanity task there; `defaults.GPU_STALENESS` on a GPU). The trainer's
+    rollout gate uses the same number (`trainer.routing.within_staleness`)."""
+    if not cpu:
+        return defaults.GPU_STALENESS
+    return 1 if args.env == "sanity" else CPU_STALENESS
 
 
 def built_preset(model: str) -> bool:

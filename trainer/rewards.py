@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 __all__ = ["RewardCallback", "StepRewards"]
 
@@ -42,6 +42,11 @@ class StepRewards:
 
     def current_step(self) -> int:
         return int(self._step())
+
+    def track(self, trainer: Trainer) -> None:
+        """Read the current step from `trainer` (its state object is replaced when training
+        starts, so it is read through the trainer at each call)."""
+        self._step = lambda: trainer.state.global_step
 
     def record(self, step: int, reward: float | None) -> None:
         """TRL logged `reward` at `step` (the first log of a step wins; NaN becomes None)."""

@@ -42,13 +42,13 @@ from deltasync.wire.metrics import ReplicaOutcome, SyncRecord
 from .console import console, latency_summary, version_line
 from .rewards import StepRewards
 
-__all__ = ["BucketWeightTransfer"]
+__all__ = ["BucketWeightTransfer", "SyncState"]
 
 log = logging.getLogger("trainer.weight_sync")
 
 
 @dataclass
-class _State:
+class SyncState:
     """What the trainer knows about each replica: the last version it verified."""
 
     synced: dict[str, int] = field(default_factory=dict)
@@ -116,6 +116,8 @@ class BucketWeightTransfer:
             before recording it as not served.
         stopped: whether rollouts stopped for good (every replica down): `destroy` then does
             not wait for syncs, which may be blocked on a dead engine that never answers.
+        state: where the versions each replica serves are kept (the rollout gate reads the
+            same object); a new one by default.
 
     Raises:
         ValueError: the publisher writes metrics records itself (a record needs one writer).
@@ -135,6 +137,7 @@ class BucketWeightTransfer:
         poll_s: float = 1.0,
         follower_wait_s: float = 120.0,
         stopped: Callable[[], bool] = lambda: False,
+        state: SyncState | None = None,
     ):
         if publisher.config.write_metrics:
             raise ValueError(
@@ -147,7 +150,7 @@ class BucketWeightTransfer:
         self.bucket = bucket
         self.attempts = attempts
         self.verify_digests = verify_digests
-        self.state = _State()
+        self.state = SyncState() if state is None else state
         self.rewards = rewards
         self.reward_wait_s = reward_wait_s
         self.records: list[SyncRecord] = []

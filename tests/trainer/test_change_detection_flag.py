@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.train import build_parser, publisher_config
+from trainer.publishing import publisher_config
+from trainer.train import build_parser
 
 
 @pytest.mark.parametrize("mode", ["auto", "host", "device"])

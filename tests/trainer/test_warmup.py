@@ -151,9 +151,11 @@ def test_warm_up_steps(given, built, tools, continued, expected):
     import argparse
 
     from trainer.envs.spec import EnvSpec
+    from trainer.publishing import OneProcess
     from trainer.train import _warmup_steps
 
     args = argparse.Namespace(warmup_steps=given)
     spec = EnvSpec("wordle", object, "Play.", "reward", tools)
-    weights = object() if continued else None
-    assert _warmup_steps(args, built, spec, weights, False) == expected
+    publishing = OneProcess(publisher=None)
+    publishing.weights = object() if continued else None
+    assert _warmup_steps(args, built, spec, publishing) == expected
