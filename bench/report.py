@@ -9,9 +9,8 @@ and the section (`## ...`) it is in gives the command that wrote that JSON (`--j
 path ending in its name). `python -m bench.report` rewrites each marked table from its JSON;
 `--check` rewrites nothing and exits 1 naming each table that differs from its JSON, a marker
 whose JSON or table is missing, a marker with no table below it, a section that names no command
-for its JSON, and a figure table with no marker. The tables still waiting for a saved result are
-listed in `WITHOUT_SAVED_RESULT` (how their first line starts, one entry per table) and reported,
-not failed; a listed table that gains a marker, or is gone, must leave the list.
+for its JSON, and a figure table with no marker: a figure with no saved result is re-run or
+removed (issue 47).
 """
 
 from __future__ import annotations
@@ -34,22 +33,6 @@ MARKER = re.compile(r"<!-- figure: (\S+\.json) table (\d+) -->")
 SAVED_TEXT = ("markdown", "summary")
 # A table whose rows carry a measured quantity is a figure (README also has tables of names).
 FIGURE = re.compile(r"\|[^|\n]*\d(?:\.\d+)?\s?(?:%|(?:s|ms|MB|GB|kB|MB/s|GB/s|min|x)\b)")
-# Figure tables whose run saved nothing to render them from yet (issue 47: re-run each, or
-# remove it): (document, how the table's first line starts), one entry per table.
-WITHOUT_SAVED_RESULT: tuple[tuple[str, str], ...] = (
-    ("README.md", "| run | time | rollouts with a valid tool call | mean reward"),
-    ("BENCHMARKS.md", "| target | measured | |"),  # issue 9's targets
-    ("BENCHMARKS.md", "| target | measured | |"),  # issue 16's
-    ("BENCHMARKS.md", "| | before (2edf717^) | after | after / before |"),
-    ("BENCHMARKS.md", "| | before (0b423ae) | after | after / before |"),
-    ("BENCHMARKS.md", "| ranks | shard params | CPU-s per rank | part MB per rank |"),
-    ("BENCHMARKS.md", "| zstd level | layout | size vs plain | compress GB/s (1 thr"),
-    ("BENCHMARKS.md", "| run | games/s | p50 step latency | p99 step latency | serv"),
-    ("BENCHMARKS.md", "| router | replicas | busiest / mean, one value per run | la"),
-    ("BENCHMARKS.md", "| `max_staleness` of a CPU environment run | runs | completi"),
-    ("BENCHMARKS.md", "| what | size | from nothing | new commit |"),
-    ("BENCHMARKS.md", "| quick start | launch to healthy | wall | commit-to-serving"),
-)
 
 
 @dataclass(frozen=True)
@@ -150,16 +133,10 @@ def render(source: str, number: int, root: Path = REPO) -> str:
     return tables[number - 1]
 
 
-def _waiting(doc: str, table_text: str) -> bool:
-    """Whether WITHOUT_SAVED_RESULT lists the table."""
-    return any(doc == d and table_text.startswith(first) for d, first in WITHOUT_SAVED_RESULT)
-
-
 def _problems(table: Table, root: Path) -> list[str]:
     if table.source is None:
-        listed = _waiting(table.doc, table.text)
         is_figure = table.doc == "BENCHMARKS.md" or FIGURE.search(table.text)
-        return [] if listed or not is_figure else [f"{table.where}: a figure with no source marker"]
+        return [f"{table.where}: a figure with no source marker"] if is_figure else []
     source, number = table.source
     try:
         want = render(source, number, root)
@@ -173,10 +150,10 @@ def _problems(table: Table, root: Path) -> list[str]:
     return problems
 
 
-def check(root: Path = REPO, *, write: bool = False) -> tuple[list[str], list[str]]:
-    """(problems, tables without a saved result); with `write`, marked tables are rewritten
-    from their JSON first."""
-    problems, waiting = [], []
+def check(root: Path = REPO, *, write: bool = False) -> list[str]:
+    """Every problem of the docs' figure tables; with `write`, marked tables are rewritten from
+    their JSON first."""
+    problems = []
     for doc in DOCS:
         path = root / doc
         text = path.read_text()
@@ -192,21 +169,7 @@ def check(root: Path = REPO, *, write: bool = False) -> tuple[list[str], list[st
         problems += _orphan_markers(doc, path.read_text())
         for table in tables:
             problems += _problems(table, root)
-            if table.source is None and _waiting(doc, table.text):
-                waiting.append(table.where)
-    unmarked = [
-        (d, t.text) for d in DOCS for t in _tables(d, (root / d).read_text()) if not t.source
-    ]
-    for entry in dict.fromkeys(WITHOUT_SAVED_RESULT):
-        doc, first = entry
-        found = sum(d == doc and text.startswith(first) for d, text in unmarked)
-        listed = WITHOUT_SAVED_RESULT.count(entry)
-        if found != listed:
-            problems.append(
-                f"{doc}: WITHOUT_SAVED_RESULT lists {listed} unmarked table(s) starting "
-                f"{first!r}, the document has {found}"
-            )
-    return problems, waiting
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,11 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--check", action="store_true", help="compare only; exit 1 on a difference")
     args = parser.parse_args(argv)
-    problems, waiting = check(write=not args.check)
+    problems = check(write=not args.check)
     for line in problems:
         print(line)
-    if waiting:
-        print(f"{len(waiting)} figure tables wait for a saved result: {', '.join(waiting)}")
     if not problems:
         print("every figure table matches its JSON" if args.check else "tables rewritten")
     return 1 if problems else 0

@@ -1,13 +1,14 @@
 """Wordle server under load: games per second, step latency and server memory on loopback.
 
-    python bench/wordle_load.py                        # 256 sessions x 4 games, own server
-    python bench/wordle_load.py --sessions 256 --games 8 --json
-    python bench/wordle_load.py --url http://127.0.0.1:8002   # a running server (no RSS)
+    python -m bench.wordle_load --runs 3 --json bench/results/wordle-load.json  # 256 x 4 games
+    python -m bench.wordle_load --sessions 256 --games 8
+    python -m bench.wordle_load --url http://127.0.0.1:8002   # a running server (no RSS)
 
 Starts ``python -m wordle_env.server`` on a free 127.0.0.1 port (capacity = --sessions), opens
 --sessions WebSocket sessions at once and has each play --games full games (reset, then six
-guesses: a win on the sixth for even games, a loss for odd ones). Latency is measured per step
-frame, send to reply, on the client. The client shares the machine's cores with the server.
+guesses: a win on the sixth for even games, a loss for odd ones), --runs times, each against a
+fresh server. Latency is measured per step frame, send to reply, on the client. The client
+shares the machine's cores with the server.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from pathlib import Path
 
 from websockets.asyncio.client import ClientConnection, connect
 
-from deltasync.arguments import count, http_url
+from deltasync.arguments import count, http_url, json_path
+
+from .output import report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FILLERS = ("slate", "pious", "dwelt", "handy", "eerie", "robot")
@@ -137,27 +140,43 @@ def run(sessions: int, games: int, url: str | None) -> Result:
     )
 
 
-def main() -> None:
+def table(results: list[Result]) -> str:
+    """One row per run."""
+    lines = [
+        "| run | games/s | p50 step latency | p99 step latency | server RSS (peak) |",
+        "|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(results, 1):
+        rss = "-" if r.server_rss_mib is None else f"{r.server_rss_mib:.0f} MiB"
+        peak = "" if r.server_peak_rss_mib is None else f" ({r.server_peak_rss_mib:.0f})"
+        lines.append(
+            f"| {i} | {r.games_per_s} | {r.step_p50_ms:.0f} ms | {r.step_p99_ms:.0f} ms | "
+            f"{rss}{peak} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.wordle_load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--sessions", type=count, default=256, help="concurrent sessions")
     parser.add_argument("--games", type=count, default=4, help="games per session")
+    parser.add_argument("--runs", type=count, default=1, help="runs, each on a fresh server")
     parser.add_argument("--url", type=http_url, help="use this server instead of starting one")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args()
+    parser.add_argument("--json", type=json_path, default=None, help="write the results here")
+    args = parser.parse_args(argv)
     if args.url is not None:
         try:
             with urllib.request.urlopen(f"{args.url}/health", timeout=5):
                 pass
         except OSError as exc:  # refused, unknown host, timeout, HTTP error
             parser.error(f"--url {args.url}: no Wordle server answers /health ({exc})")
-    result = run(args.sessions, args.games, args.url)
-    if args.json:
-        print(json.dumps(asdict(result)))
-        return
-    for key, value in asdict(result).items():
-        print(f"{key:20} {value}")
+    results = [run(args.sessions, args.games, args.url) for _ in range(args.runs)]
+    command = "python -m bench.wordle_load " + " ".join(argv if argv is not None else sys.argv[1:])
+    report(table(results), {"command": command, "runs": [asdict(r) for r in results]}, args.json)
 
 
 if __name__ == "__main__":

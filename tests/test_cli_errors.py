@@ -60,6 +60,9 @@ BENCH = [
     ("bench.gpu_digest", ["--density", "1.5"], "argument --density: expected a number in (0, 1)"),
     ("bench.wordle_load", ["--url", "ws:/nowhere"], "argument --url: expected http://HOST[:PORT]"),
     ("bench.wordle_load", ["--url", "http://127.0.0.1:9"], "no Wordle server answers /health"),
+    ("bench.wordle_load", ["--runs", "0"], "argument --runs: expected an integer >= 1"),
+    ("bench.env_runs", ["--steps", "0"], "argument --steps: expected an integer >= 1"),
+    ("bench.env_runs", ["--json", str(ROOT)], "is a folder; give a file name"),
 ]
 
 

@@ -1,7 +1,6 @@
 """`python -m bench.report`: every marked figure table in README.md and BENCHMARKS.md is the
-table its JSON keeps; an edited number, a table with no marker, a marker whose section names no
-command for its JSON, or a stale entry of the waiting list is reported, and a rewrite restores
-the table from its JSON."""
+table its JSON keeps; an edited number, a table with no marker, or a marker whose section names
+no command for its JSON is reported, and a rewrite restores the table from its JSON."""
 
 from __future__ import annotations
 
@@ -49,21 +48,21 @@ def test_an_edited_number_is_reported_and_a_rewrite_restores_it(root):
     original = doc.read_text()
     table_line = original.split(MARKED, 1)[1].split("\n")[4]  # the first data row
     _edit(doc, table_line, table_line.replace("|", "| 9", 1))
-    problems, _ = check(root)
+    problems = check(root)
     assert len(problems) == 1, problems
     assert "differs from table 1 of bench/results/codec-qwen3-100m.json" in problems[0]
     assert problems[0].startswith("BENCHMARKS.md:")
-    assert check(root, write=True)[0] == []
+    assert check(root, write=True) == []
     assert doc.read_text() == original
 
 
 def test_a_figure_needs_a_marker_and_its_section_a_command(root):
     doc = root / "BENCHMARKS.md"
     _edit(doc, MARKED, "")  # the table loses its marker
-    assert any("a figure with no source marker" in p for p in check(root)[0])
+    assert any("a figure with no source marker" in p for p in check(root))
     _edit(doc, "\n\n| step | density |", f"\n{MARKED}\n\n| step | density |")  # back
     _edit(doc, "--json bench/results/codec-qwen3-100m.json", "--json elsewhere.json")
-    problems = check(root)[0]
+    problems = check(root)
     assert any(
         "names no command writing bench/results/codec-qwen3-100m.json" in p for p in problems
     )
@@ -72,20 +71,9 @@ def test_a_figure_needs_a_marker_and_its_section_a_command(root):
 def test_a_marker_naming_a_missing_table_or_json_is_reported(root):
     doc = root / "BENCHMARKS.md"
     _edit(doc, MARKED, MARKED.replace("table 1", "table 9"))
-    assert any("has 3 tables, not a table 9" in p for p in check(root)[0])
+    assert any("has 3 tables, not a table 9" in p for p in check(root))
     (root / "bench/results/codec-qwen3-100m.json").unlink()
-    assert any("codec-qwen3-100m.json does not exist" in p for p in check(root)[0])
-
-
-def test_a_waiting_table_that_gains_a_marker_must_leave_the_list(root):
-    doc = root / "BENCHMARKS.md"
-    _edit(
-        doc,
-        "\n| zstd level |",
-        "\n<!-- figure: bench/results/scaling.json table 1 -->\n\n| zstd level |",
-    )
-    problems = check(root)[0]
-    assert any("WITHOUT_SAVED_RESULT lists 1 unmarked table(s) starting" in p for p in problems)
+    assert any("codec-qwen3-100m.json does not exist" in p for p in check(root))
 
 
 def test_a_marker_left_without_its_table_is_reported(root):
@@ -94,7 +82,7 @@ def test_a_marker_left_without_its_table_is_reported(root):
     start = text.index(MARKED) + len(MARKED)
     table = text[start:].split("\n\n", 2)[1]  # the blank line after the marker, then the table
     doc.write_text(text.replace(table, "(the table was removed)", 1))
-    assert any("a marker with no table below it" in p for p in check(root)[0])
+    assert any("a marker with no table below it" in p for p in check(root))
 
 
 def test_a_readme_table_of_percentages_is_a_figure_and_fenced_tables_are_text(root):
@@ -104,21 +92,7 @@ def test_a_readme_table_of_percentages_is_a_figure_and_fenced_tables_are_text(ro
         + "\n```\n| in a code fence | 5 % |\n|---|---|\n```\n\n| share | of runs |\n|---|---|\n"
         "| valid calls | 42 % |\n"
     )
-    problems = check(root)[0]
+    problems = check(root)
     assert [p for p in problems if "README.md" in p] == [
         f"README.md:{len(readme.read_text().splitlines()) - 2}: a figure with no source marker"
     ], problems
-
-
-def test_the_waiting_list_counts_tables_with_the_same_header(root):
-    doc = root / "BENCHMARKS.md"
-    text = doc.read_text()
-    first = text.index("\n| target | measured | |")  # the first of two verdict tables
-    doc.write_text(
-        text[:first] + "\n<!-- figure: bench/results/scaling.json table 1 -->\n" + text[first:]
-    )
-    problems = check(root)[0]
-    assert any(
-        "lists 2 unmarked table(s) starting '| target | measured | |', the document has 1" in p
-        for p in problems
-    ), problems
