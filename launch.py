@@ -260,7 +260,8 @@ def _spaces(args, parser, env, stamp, api_key, trainer_args) -> int:
     )
     hf = HfCli(locate_hf(cfg.hf_cli), dry_run=cfg.dry_run)
     if args.teardown:
-        ok = teardown(cfg, hf, _confirm_yes if args.yes else _ask, keep_bucket=args.keep_bucket)
+        confirm = (lambda _question: True) if args.yes else _ask
+        ok = teardown(cfg, hf, confirm, keep_bucket=args.keep_bucket)
         return 0 if ok else 1
     return run_spaces(cfg, hf)
 
@@ -271,10 +272,6 @@ def _ask(question: str) -> bool:
     except EOFError:
         print("\nno answer (stdin closed); pass --yes to delete without asking", file=sys.stderr)
         return False
-
-
-def _confirm_yes(_question: str) -> bool:
-    return True
 
 
 if __name__ == "__main__":

@@ -11,50 +11,18 @@ The full benchmark, with more options, is `python -m bench.codec` (BENCHMARKS.md
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
-
-from deltasync.arguments import count, folder, json_path, learning_rate
 
 from . import codec
 
 __all__ = ["main"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--model",
-        default="qwen3-100m",
-        choices=("qwen3-tiny", "qwen3-100m", "qwen3-0.6b"),
-        help="shape (default qwen3-100m: ~2 min on 2 cores; qwen3-0.6b: ~8 min)",
-    )
-    p.add_argument("--steps", type=count, default=4, help="optimizer steps (default 4)")
-    p.add_argument(
-        "--lr", type=learning_rate, default=1e-6, help="AdamW learning rate (default 1e-6)"
-    )
-    p.add_argument("--repeat", type=count, default=1, help="timings: best of N (default 1)")
-    p.add_argument(
-        "--cache", type=folder, default=None, help="keep the trained steps here for re-runs"
-    )
-    p.add_argument(
-        "--json", type=json_path, default=None, help="also write the results as JSON here"
-    )
-    return p
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    forwarded = ["--model", args.model, "--steps", str(args.steps), "--lr", str(args.lr)]
-    forwarded += ["--repeat", str(args.repeat)]
-    forwarded += ["--cache", args.cache] if args.cache else []
-    forwarded += ["--json", args.json] if args.json else []
-    return codec.main(forwarded)
+    """`python -m bench.codec` with this command's defaults (flags given later win)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return codec.main(["--steps", "4", "--repeat", "1", *argv])
 
 
 if __name__ == "__main__":

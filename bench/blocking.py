@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 
 import torch
 
@@ -41,21 +42,9 @@ from deltasync.publisher.snapshot import Bf16Snapshot, digests_after
 from deltasync.store import LocalStore
 
 from .models.qwen3 import SHAPES
-from .output import save_json
+from .output import best_of, save_json
 from .realistic import bf16_states
 from .synthetic import synthetic_states
-
-
-def _timed(fn, *args, repeat: int = 1, **kwargs):
-    """(the first call's result, the best wall time of `repeat` calls)."""
-    out, best = None, float("inf")
-    for i in range(repeat):
-        t0 = time.perf_counter()
-        found = fn(*args, **kwargs)
-        best = min(best, time.perf_counter() - t0)
-        out = found if i == 0 else out
-        del found
-    return out, best
 
 
 def measure(model: str, *, density: float, steps: int, repeat: int) -> list[dict]:
@@ -75,11 +64,11 @@ def measure(model: str, *, density: float, steps: int, repeat: int) -> list[dict
         assert host is not None and device is not None
         # best of `repeat` for the host modes (pure); the device mode moves its reference, so
         # it runs once per step (the median over steps is what the table shows)
-        diff, host_s = _timed(host.diff, params, digests=False, repeat=repeat)
-        before, before_s = _timed(host.diff, params, digests=True, repeat=repeat)
-        found, device_s = _timed(device.diff, params, digests=False)
+        diff, host_s, _ = best_of(partial(host.diff, params, digests=False), repeat)
+        before, before_s, _ = best_of(partial(host.diff, params, digests=True), repeat)
+        found, device_s, _ = best_of(partial(device.diff, params, digests=False), 1)
         assert found.changed_elements == diff.changed_elements == before.changed_elements
-        digests, digests_s = _timed(digests_after, host.tensors, diff)
+        digests, digests_s, _ = best_of(partial(digests_after, host.tensors, diff), 1)
         assert digests == before.digests
         rows.append(
             {

@@ -42,10 +42,9 @@ from deltasync.wire.garbage import find_unreferenced
 from deltasync.wire.manifest import read_manifest
 from trainer.random_qwen3 import build_tiny_qwen3
 
-from .memory import PeakRss
 from .output import report
 from .server import served
-from .soak import _slope_per_100
+from .soak import _rss_mb, _slope_per_100
 
 STALL_S = 600.0  # no new version for this long ends the soak as failed
 
@@ -142,12 +141,6 @@ def _journal(path: Path) -> tuple[dict[int, str], Counter, set[str]]:
                 elif "fault" in entry:
                     faults[entry["fault"]] += 1
     return digests, faults, encodings
-
-
-def _rss_mb(proc) -> float:
-    with PeakRss(proc) as rss:
-        pass
-    return rss.base / 1e6
 
 
 def run(args: argparse.Namespace) -> dict:

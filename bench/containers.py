@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 from deltasync import settings
 from deltasync.arguments import count, json_path
@@ -48,25 +49,18 @@ _VERIFIED = re.compile(r"(\d+) versions published\nvllm-0: (\d+) versions applie
 def builds(cache_home: str | None) -> dict:
     """Build (or reuse) the bases and images in the store under `cache_home` (None: the user's;
     a given one has its own run folder too and is reset afterwards, whatever happened)."""
-    names = ("XDG_CACHE_HOME", "XDG_RUNTIME_DIR")
-    saved = {name: os.environ.get(name) for name in names}
-    if cache_home:
-        os.environ.update(XDG_CACHE_HOME=cache_home, XDG_RUNTIME_DIR=f"{cache_home}/run")
-    engine = find_engine()
-    try:
-        started = time.monotonic()
-        bases = ensure_bases(engine, print)
-        with tempfile.TemporaryDirectory(prefix="bench-images-") as tmp:
-            images = [build_space_image(engine, k, Path(tmp), bases, print) for k in KINDS]
-        total = time.monotonic() - started
-    finally:
-        if cache_home:
-            engine.run("system", "reset", "-f", timeout_s=900, check=False)
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    store = {"XDG_CACHE_HOME": cache_home, "XDG_RUNTIME_DIR": f"{cache_home}/run"}
+    with mock.patch.dict(os.environ, store if cache_home else {}):
+        engine = find_engine()
+        try:
+            started = time.monotonic()
+            bases = ensure_bases(engine, print)
+            with tempfile.TemporaryDirectory(prefix="bench-images-") as tmp:
+                images = [build_space_image(engine, k, Path(tmp), bases, print) for k in KINDS]
+            total = time.monotonic() - started
+        finally:
+            if cache_home:
+                engine.run("system", "reset", "-f", timeout_s=900, check=False)
     return {
         "total_s": round(total, 1),
         "bases": {b.stands_for: _built(b.built_s) for b in bases.values()},

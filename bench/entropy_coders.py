@@ -21,8 +21,6 @@ writes and reads its tables). One thread, best of `--repeat`.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -33,7 +31,7 @@ from deltasync.codec.rans import DIRECT, decode_integers, encode_integers
 from deltasync.publisher.snapshot import Bf16Snapshot
 
 from .models.qwen3 import SHAPES
-from .output import report
+from .output import best_of, report
 from .realistic import bf16_states
 
 
@@ -75,15 +73,6 @@ def symbols(values: np.ndarray) -> tuple[np.ndarray, int]:
     return out, int((length[high] - 1).sum())
 
 
-def _best(fn: Callable[[], object], repeat: int) -> tuple[object, float]:
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return out, best
-
-
 def compare(streams: list[np.ndarray], repeat: int) -> dict:
     import constriction  # optional: only this benchmark needs it
 
@@ -96,8 +85,8 @@ def compare(streams: list[np.ndarray], repeat: int) -> dict:
         p = p[p > 0]
         entropy -= s.size * float((p * np.log2(p)).sum()) / 8
 
-    ours, ours_enc = _best(lambda: [encode_integers(v, 0) for v in streams], repeat)
-    decoded, ours_dec = _best(
+    ours, ours_enc, _ = best_of(lambda: [encode_integers(v, 0) for v in streams], repeat)
+    decoded, ours_dec, _ = best_of(
         lambda: [decode_integers(b, v.size, "stream") for b, v in zip(ours, streams, strict=True)],
         repeat,
     )
@@ -118,8 +107,8 @@ def compare(streams: list[np.ndarray], repeat: int) -> dict:
             out.append(coder.get_compressed())
         return out
 
-    theirs, their_enc = _best(encode, repeat)
-    back, their_dec = _best(  # its models built in the timing, as `rans` reads its tables
+    theirs, their_enc, _ = best_of(encode, repeat)
+    back, their_dec, _ = best_of(  # its models built in the timing, as `rans` reads its tables
         lambda: [
             constriction.stream.stack.AnsCoder(c).decode(m, s.size)
             for c, m, (s, _) in zip(theirs, models(), split, strict=True)

@@ -16,9 +16,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import ast
 import os
-import re
 import secrets
 import statistics
 import subprocess
@@ -34,6 +32,7 @@ from deltasync.store import LocalStore
 from deltasync.vllm_ext.client import ReplicaClient
 from deltasync.wire.manifest import read_manifest
 from trainer.config import prepare_model
+from trainer.routing import read_completions
 
 from .output import report
 from .server import served
@@ -96,8 +95,7 @@ def run(args: argparse.Namespace) -> dict:
                 "verified": digest is not None and digest.hex() == expected,
             }
     text = log.read_text(errors="replace")
-    found = re.search(r"completions per replica (\{.*?\})", text)
-    completions = ast.literal_eval(found.group(1)) if found else {}
+    completions = read_completions(text) or {}
     lags = {n: [latest - v for latest, v in s] for n, s in samples.items()}
     return {
         "steps": args.steps,

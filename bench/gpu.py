@@ -29,17 +29,14 @@ Any failed check raises; the result (JSON) says `"checks": "ok"` and `"ok": true
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import torch
 
-from deltasync.arguments import count, json_path, learning_rate, torch_device, whole
+from deltasync.arguments import count, learning_rate, whole
 from deltasync.codec import encode_anchor, encode_delta
 from deltasync.kernels.state_hash import apply_changes, state_sums
 from deltasync.publisher.device_snapshot import DeviceSnapshot
@@ -48,34 +45,14 @@ from deltasync.replica.replica import Replica
 from deltasync.vllm_ext.apply.inplace import InPlaceSink
 from deltasync.wire.digests import total
 
-from .gpu_common import GPU_SHAPES, device_of, shape_of
+from .gpu_common import GPU_SHAPES, part_main, shape_of, timed
+from .gpu_detect import _same
 from .models.qwen3 import build_config
 from .models.vllm_layout import StandInQwen3, standin_layout
-from .output import save_json
 
 __all__ = ["main"]
 
 RUN_ID = "gpu-check"
-
-
-def _timed(device: torch.device, fn: Callable, *args, **kwargs) -> tuple[object, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - t0
-
-
-def _same_diff(a, b) -> None:
-    assert a.changes.keys() == b.changes.keys(), "device and host diffs name other tensors"
-    for name, change in a.changes.items():
-        other = b.changes[name]
-        assert torch.equal(change.indices, other.indices), f"indices differ: {name}"
-        for field in ("values", "previous"):
-            got, want = getattr(change, field), getattr(other, field)
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{field}: {name}"
 
 
 def _served_equals(standin: torch.nn.Module, trainer: torch.nn.Module) -> None:
@@ -126,12 +103,12 @@ def run(
         if step == 1 and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         version = step + warmup
-        _, step_s = _timed(device, optimizer_step)
-        want, host_s = _timed(device, host.diff, trainer, digests=False)
-        diff, device_s = _timed(device, on_device.diff, trainer, digests=False)
-        _same_diff(diff, want)
-        new_sums, digest_s = _timed(device, apply_changes, sums, diff.changes)
-        hashes, hashes_s = _timed(device, digests_after, host.tensors, diff)
+        _, step_s = timed(device, optimizer_step)
+        want, host_s = timed(device, host.diff, trainer, digests=False)
+        diff, device_s = timed(device, on_device.diff, trainer, digests=False)
+        assert not (bad := _same(diff, want)), f"device and host diffs differ: {bad}"
+        new_sums, digest_s = timed(device, apply_changes, sums, diff.changes)
+        hashes, hashes_s = timed(device, digests_after, host.tensors, diff)
         diff = type(diff)(diff.changes, hashes, diff.shapes)
         encode = partial(
             encode_delta,
@@ -141,10 +118,10 @@ def run(
             base_version=version,
             state_digest=total(new_sums),
         )
-        data, encode_s = _timed(device, encode, encoding="ctx", base=host.tensors)
-        ans_data, encode_ans_s = _timed(device, encode, encoding="ans")
-        staged, stage_s = _timed(device, replica.stage, [(data, None)])
-        applied, apply_s = _timed(device, replica.commit, staged)
+        data, encode_s = timed(device, encode, encoding="ctx", base=host.tensors)
+        ans_data, encode_ans_s = timed(device, encode, encoding="ans")
+        staged, stage_s = timed(device, replica.stage, [(data, None)])
+        applied, apply_s = timed(device, replica.commit, staged)
         assert applied and replica.version == version + 1, "the replica did not take the version"
         _served_equals(standin, trainer)
         host.advance(want)
@@ -223,35 +200,24 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
-    p.add_argument("--device", type=torch_device, default="cuda")
+def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b"], choices=GPU_SHAPES)
     p.add_argument("--steps", type=count, default=3, help="reported steps (after the warm-up)")
     p.add_argument("--warmup", type=whole, default=1, help="unreported steps first")
-    p.add_argument("--small", action="store_true", help="qwen3-micro, 2 steps (the CI dry run)")
     p.add_argument("--lr", type=learning_rate, default=1e-6)
     p.add_argument("--seed", type=whole, default=0)
-    p.add_argument("--json", type=json_path, default=None, help="also write the result here")
-    args = p.parse_args(argv)
-    if args.small:
+
+
+def _run(args: argparse.Namespace, part, device: torch.device) -> bool:
+    if args.small:  # qwen3-micro, 2 steps (the CI dry run)
         args.models, args.steps = ["qwen3-micro"], min(args.steps, 2)
-    device = device_of(args.device)
-    result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "models": [
-            run(m, device, args.steps, args.lr, args.seed, args.warmup) for m in args.models
-        ],
-        "checks": "ok",
-        "part": "gpu",
-        "ok": True,
-    }
-    result["markdown"] = table(result)
-    print(json.dumps(result, indent=1))
-    save_json(result, args.json)
-    return 0
+    models = [run(m, device, args.steps, args.lr, args.seed, args.warmup) for m in args.models]
+    part.update(models=models, checks="ok")  # any failed check raised
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return part_main("gpu", __doc__, _run, argv, _options, table)
 
 
 if __name__ == "__main__":

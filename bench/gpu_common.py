@@ -34,8 +34,6 @@ from .models.qwen3 import SHAPES, Shape
 
 __all__ = [
     "GPU_SHAPES",
-    "QWEN3_8B",
-    "QWEN3_MICRO",
     "Part",
     "Peak",
     "Transfers",
@@ -43,6 +41,7 @@ __all__ = [
     "part_main",
     "shape_of",
     "synchronize",
+    "timed",
 ]
 
 # Qwen3-8B (hidden 4096, 36 layers, 32 heads, 8 kv heads, intermediate 12288, untied head):
@@ -74,6 +73,15 @@ def device_of(text: str) -> torch.device:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable, *args, **kwargs) -> tuple[object, float]:
+    """`fn(*args, **kwargs)` and its wall time, the device synchronized before and after."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    synchronize(device)
+    return out, time.perf_counter() - t0
 
 
 _aten = torch.ops.aten

@@ -18,33 +18,20 @@ it runs on a bare GPU machine from the repository root. Checks, each one failing
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from deltasync.arguments import fraction, json_path, torch_device
+from deltasync.arguments import fraction
 from deltasync.kernels.changes import TensorChange
 from deltasync.kernels.state_hash import apply_changes, device_sum, state_sums, tensor_sum
 from deltasync.wire.digests import total
 
-from .gpu_common import GPU_SHAPES, device_of, shape_of
-from .output import save_json
+from .gpu_common import GPU_SHAPES, part_main, shape_of, timed
 from .synthetic import parameter_shapes
 
 __all__ = ["main"]
-
-
-def _timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - t0
 
 
 def _random_bf16(shape: tuple[int, ...], device: torch.device, gen: torch.Generator):
@@ -59,9 +46,9 @@ def run(model: str, device: torch.device, density: float) -> dict:
     shapes = parameter_shapes(shape_of(model))
     state = {n: _random_bf16(s, device, gen) for n, s in shapes.items()}
     elements = sum(t.numel() for t in state.values())
-    on_device, full_s = _timed(lambda: {n: device_sum(n, t) for n, t in state.items()}, device)
+    on_device, full_s = timed(device, lambda: {n: device_sum(n, t) for n, t in state.items()})
     host = {n: t.cpu() for n, t in state.items()}
-    on_host, host_s = _timed(lambda: state_sums(host), torch.device("cpu"))
+    on_host, host_s = timed(torch.device("cpu"), lambda: state_sums(host))
     assert on_device == on_host, "device digests differ from the compiled loops"
 
     name, tensor = max(state.items(), key=lambda item: item[1].numel())
@@ -94,11 +81,9 @@ def run(model: str, device: torch.device, density: float) -> dict:
         moved.view(-1)[idx[keep]] = new[keep]
         after[n] = moved
     changed = sum(c.indices.numel() for c in changes.values())
-    updated, update_s = _timed(lambda: apply_changes(on_device, changes), device)
+    updated, update_s = timed(device, lambda: apply_changes(on_device, changes))
     assert updated == {n: device_sum(n, t) for n, t in after.items()}, "update != recompute"
     return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
         "model": model,
         "elements": elements,
         "changed": changed,
@@ -107,8 +92,6 @@ def run(model: str, device: torch.device, density: float) -> dict:
         "host_compiled_full_pass_s": host_s,
         "update_s": update_s,
         "checks": "ok",
-        "part": "gpu_digest",
-        "ok": True,
     }
 
 
@@ -126,24 +109,18 @@ def table(result: dict) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_digest", description=__doc__)
-    p.add_argument("--device", type=torch_device, default="cuda")
+def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-8b", choices=sorted(GPU_SHAPES))
-    p.add_argument("--small", action="store_true", help="the qwen3-micro shape (CI dry run)")
     p.add_argument("--density", type=fraction, default=0.02)
-    p.add_argument("--json", type=json_path, default=None, help="also write the result here")
-    args = p.parse_args(argv)
-    model = "qwen3-micro" if args.small else args.model
-    started = time.perf_counter()
-    result = run(model, device_of(args.device), args.density)
-    # From main to the write, after run() has freed its tensors (the host copy's munmap
-    # included): what the part's cap must cover is this plus imports and process exit.
-    result["wall_s"] = time.perf_counter() - started
-    result["markdown"] = table(result)
-    print(json.dumps(result, indent=1))
-    save_json(result, args.json)
-    return 0
+
+
+def _run(args: argparse.Namespace, part, device: torch.device) -> bool:
+    part.update(**run("qwen3-micro" if args.small else args.model, device, args.density))
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return part_main("gpu_digest", __doc__, _run, argv, _options, table)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,13 @@ garbage of the largest size, against `verify` of a clean small bucket.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from deltasync.arguments import folder, fraction, json_path, positive
@@ -80,22 +81,12 @@ def shape_of_size(gib: float, vocab: int = 32000) -> Shape:
 def make_bucket(folder: Path, gib: float, *, density: float = 0.01, vocab: int = 32000) -> int:
     """A bucket at `folder/bucket` holding an anchor of about `gib` GiB and one delta, and the
     model's config and tokenizer at `folder/model`; returns the state's bytes."""
-    from deltasync import Publisher, PublisherConfig, open_store
-
-    from .synthetic import synthetic_states
+    from .synthetic import publish_synthetic
 
     shape = shape_of_size(gib, vocab)
     build_config(shape).save_pretrained(folder / "model")
     (folder / "model" / "tokenizer.json").write_text("{}\n")  # export copies it; nothing reads it
-    publisher = Publisher(open_store(str(folder / "bucket")), PublisherConfig(run_id="memory"))
-    held = 0
-    try:
-        for _, state in synthetic_states(shape, 1, density=density):
-            publisher.publish(state).result(timeout=1800)
-            held = sum(t.numel() * 2 for t in state.values())
-    finally:
-        publisher.close()
-    return held
+    return publish_synthetic(folder / "bucket", shape, 1, density=density, run_id="memory")
 
 
 def garbage_anchor_bucket(small: Path, folder: Path, size: int) -> None:
@@ -145,22 +136,28 @@ def _extra(found: dict, held: int) -> float:
     return (found["peak"] - found["imports"] - (found["held"] or held)) / MIB
 
 
-def _baseline(revision: str, scratch: Path) -> Path:
-    tree = scratch / f"baseline-{revision}"
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), revision],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return tree
+@contextlib.contextmanager
+def code_trees(baseline: str | None, scratch: Path) -> Iterator[dict[str, Path]]:
+    """{"this": this checkout}, and with `baseline` a worktree of that git revision (removed
+    afterwards, whatever happened)."""
+    codes = {"this": ROOT}
+    git = ["git", "-C", str(ROOT), "worktree"]
+    if baseline:
+        codes["baseline"] = scratch / f"baseline-{baseline}"
+        add = [*git, "add", "--detach", str(codes["baseline"]), baseline]
+        subprocess.run(add, check=True, capture_output=True)
+    try:
+        yield codes
+    finally:
+        if baseline:
+            remove = [*git, "remove", "--force", str(codes["baseline"])]
+            subprocess.run(remove, check=False, capture_output=True)
 
 
 def run(sizes: Sequence[float], density: float, baseline: str | None, scratch: Path) -> dict:
-    codes = {"this": ROOT}
-    if baseline:
-        codes["baseline"] = _baseline(baseline, scratch)
     results: dict = {"density": density, "sizes": {}, "baseline": baseline}
     rows = []
-    try:
+    with code_trees(baseline, scratch) as codes:
         clean = scratch / "clean-small"
         make_bucket(clean, 0.02, density=density, vocab=4096)
         for gib in sizes:
@@ -185,12 +182,6 @@ def run(sizes: Sequence[float], density: float, baseline: str | None, scratch: P
                 "garbage": measure("verify", garbage, clean, code),
             }
         results["garbage_anchor"] = {"declared": int(max(sizes) * GIB), "verify": refusal}
-    finally:
-        if baseline:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(codes["baseline"])],
-                check=False, capture_output=True,
-            )  # fmt: skip
     header = "| anchor | reader | " + " | ".join(f"{n} (MiB)" for n in codes) + " |"
     table = [header, "|" + "---|" * (2 + len(codes)), *rows, ""]
     for name in codes:

@@ -43,12 +43,7 @@ from deltasync.arguments import count, folder, learning_rate, whole
 
 from .models.qwen3 import SHAPES, build_model
 
-__all__ = [
-    "bf16_states",
-    "corpus_tokens",
-    "deltas",
-    "ensure_cache",
-]
+__all__ = ["bf16_states", "deltas"]
 
 
 def corpus_tokens(max_bytes: int = 32 << 20) -> np.ndarray:
@@ -71,36 +66,19 @@ def corpus_tokens(max_bytes: int = 32 << 20) -> np.ndarray:
     return np.frombuffer(b"".join(chunks), np.uint8).astype(np.int64)
 
 
-def _named(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    from deltasync.publisher.snapshot import named_tensors
-
-    return named_tensors(model)
-
-
 class _Trainer:
     """AdamW (no weight decay) on next-byte prediction over random windows of the corpus."""
 
     def __init__(self, model_name: str, *, lr: float, seed: int, batch: int, seq: int):
+        from deltasync.publisher.snapshot import named_tensors
+
         self.model = build_model(model_name, seed=seed)
-        self.params = _named(self.model)
+        self.params = named_tensors(self.model)
+        adamw = dict(lr=lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
         try:
-            self.opt = torch.optim.AdamW(
-                self.model.parameters(),
-                lr=lr,
-                weight_decay=0.0,
-                betas=(0.9, 0.999),
-                eps=1e-8,
-                fused=True,
-            )
+            self.opt = torch.optim.AdamW(self.model.parameters(), **adamw, fused=True)
         except (RuntimeError, TypeError):
-            self.opt = torch.optim.AdamW(
-                self.model.parameters(),
-                lr=lr,
-                weight_decay=0.0,
-                betas=(0.9, 0.999),
-                eps=1e-8,
-                foreach=True,
-            )
+            self.opt = torch.optim.AdamW(self.model.parameters(), **adamw, foreach=True)
         self.tokens = torch.from_numpy(corpus_tokens())
         self.rng = np.random.default_rng(seed)
         self.batch, self.seq = batch, seq
@@ -125,14 +103,10 @@ class _Trainer:
         return state
 
 
-def cache_key(model: str, lr: float, seed: int, batch: int, seq: int) -> str:
-    return f"{model}-lr{lr:g}-s{seed}-b{batch}x{seq}"
-
-
 def _cache_dir(
     cache: str | os.PathLike, model: str, lr: float, seed: int, batch: int, seq: int
 ) -> Path:
-    return Path(cache) / cache_key(model, lr, seed, batch, seq)
+    return Path(cache) / f"{model}-lr{lr:g}-s{seed}-b{batch}x{seq}"
 
 
 def _read_meta(d: Path) -> dict | None:

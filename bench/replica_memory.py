@@ -18,11 +18,11 @@ import argparse
 import contextlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from unittest import mock
 
 import psutil
 import torch
@@ -31,11 +31,11 @@ from deltasync.arguments import count, fraction, json_path
 
 from .models.qwen3 import SHAPES, build_config
 from .output import report
+from .reader_memory import code_trees
 from .server import served
 
 __all__ = ["main"]
 
-ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 
 
@@ -57,54 +57,16 @@ def _workers(proc: psutil.Process) -> list[psutil.Process]:
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
-@contextlib.contextmanager
-def _bound(cores: str) -> Iterator[None]:
-    saved = os.environ.get(BIND)
-    os.environ[BIND] = cores
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(BIND, None)
-        else:
-            os.environ[BIND] = saved
-
-
-@contextlib.contextmanager
-def _code(tree: Path) -> Iterator[None]:
-    """Start servers from `tree` (its deltasync first on the path)."""
-    here, saved = os.getcwd(), os.environ.get("PYTHONPATH")
-    os.chdir(tree)
-    os.environ["PYTHONPATH"] = str(tree)
-    try:
-        yield
-    finally:
-        os.chdir(here)
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
-
-
 def _prepare(work: Path, density: float) -> int:
-    from deltasync import Publisher, PublisherConfig, open_store
     from trainer.random_qwen3 import byte_level_tokenizer
 
-    from .synthetic import synthetic_states
+    from .synthetic import publish_synthetic
 
     config = build_config(SHAPES["qwen3-0.6b"])
     config.dtype = torch.bfloat16
     config.save_pretrained(work / "model")
     byte_level_tokenizer().save_pretrained(work / "model")
-    publisher = Publisher(open_store(str(work / "bucket")), PublisherConfig(run_id="replica"))
-    held = 0
-    try:
-        for _, state in synthetic_states("qwen3-0.6b", 1, density=density):
-            publisher.publish(state).result(timeout=1800)
-            held = sum(t.numel() * 2 for t in state.values())
-    finally:
-        publisher.close()
-    return held
+    return publish_synthetic(work / "bucket", "qwen3-0.6b", 1, density=density, run_id="replica")
 
 
 def _measure(work: Path, tp: int, name: str) -> list[dict]:
@@ -113,7 +75,7 @@ def _measure(work: Path, tp: int, name: str) -> list[dict]:
     # vllm-cpu binds each TP worker to a NUMA node unless told which cores: one each
     cores = "|".join(str(i) for i in range(tp)) if tp > 1 else os.environ.get(BIND, "auto")
     with (
-        _bound(cores),
+        mock.patch.dict(os.environ, {BIND: cores}),
         served(work / "model", work / "bucket", log, vllm_args=vllm_args) as (client, proc),
     ):
         status = client.status()
@@ -137,26 +99,13 @@ def _measure(work: Path, tp: int, name: str) -> list[dict]:
 def run(args: argparse.Namespace, work: Path) -> dict:
     held = _prepare(work, args.density)
     anchor = max((work / "bucket" / "runs" / "replica" / "anchors").iterdir())
-    codes = {"this": ROOT}
-    if args.baseline:
-        tree = work / f"baseline-{args.baseline}"
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.baseline],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        codes["baseline"] = tree
     rows = []
-    try:
+    with code_trees(args.baseline, work) as codes:
         for name, tree in codes.items():
             for tp in args.tp:
-                with _code(tree):
+                # servers start from `tree`, its deltasync first on the path
+                with contextlib.chdir(tree), mock.patch.dict(os.environ, PYTHONPATH=str(tree)):
                     rows += _measure(work, tp, name)
-    finally:
-        if args.baseline:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(codes["baseline"])],
-                check=False, capture_output=True,
-            )  # fmt: skip
     lines = [
         f"qwen3-0.6b, {held / MIB:.0f} MiB of bf16 weights (anchor file "
         f"{anchor.stat().st_size / MIB:.0f} MiB), one delta at {args.density:.0%}",

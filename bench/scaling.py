@@ -25,10 +25,10 @@ from deltasync.kernels.state_hash import apply_changes, state_sums
 from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.replica.replica import Replica
 
-from .codec import _encode_delta, _timed, _update
+from .codec import _encode_delta, _update
 from .memory import PeakRss
 from .models.qwen3 import SHAPES
-from .output import save_json
+from .output import best_of, save_json
 from .synthetic import synthetic_states
 
 RUN_ID = "bench-scaling"
@@ -48,9 +48,9 @@ def measure(model: str, *, density: float, steps: int, repeat: int) -> dict:
             continue
         gc.collect()
         with PeakRss(psutil.Process(), 0.05, tree=False) as rss:
-            diff, diff_s, _ = _timed(partial(snap.diff, state), repeat)
+            diff, diff_s, _ = best_of(partial(snap.diff, state), repeat)
             enc = partial(_encode_delta, diff, sums, version=step + 1)
-            packed, encode_s, _ = _timed(partial(enc, encoding="packed"), repeat)
+            packed, encode_s, _ = best_of(partial(enc, encoding="packed"), repeat)
         coo = enc(encoding="coo")
         sums = apply_changes(sums, diff.changes)
         _, stage_s, commit_s, _ = _update(replica, packed, step, repeat)

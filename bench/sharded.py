@@ -121,28 +121,11 @@ def _worker(args: argparse.Namespace) -> None:
 
 def _run(shape: str, ranks: int, steps: int, density: float, pin: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(ranks),
-            "-m",
-            "bench.sharded",
-            "--worker",
-            "--shape",
-            shape,
-            "--steps",
-            str(steps),
-            "--density",
-            str(density),
-            "--bucket",
-            f"{tmp}/bucket",
-            "--out",
-            f"{tmp}/figures",
-            *(["--pin"] if pin else []),
-        ]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc_per_node", str(ranks), "-m", "bench.sharded", "--worker"]
+        command += ["--shape", shape, "--steps", str(steps), "--density", str(density)]
+        command += ["--bucket", f"{tmp}/bucket", "--out", f"{tmp}/figures"]
+        command += ["--pin"] if pin else []
         threads = 1 if pin else max(1, (os.cpu_count() or 2) // ranks)
         env = os.environ | {"OMP_NUM_THREADS": str(threads)}
         subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)

@@ -17,10 +17,8 @@ threads):
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from deltasync.arguments import count, fraction, json_path
@@ -30,22 +28,10 @@ from deltasync.publisher.snapshot import Bf16Snapshot
 from deltasync.wire.digests import tensor_digest, total
 
 from .models.qwen3 import SHAPES
-from .output import report
+from .output import best_of, report
 from .synthetic import synthetic_states
 
 __all__ = ["main"]
-
-
-def _best(fn: Callable[[], object], repeat: int) -> tuple[object, float, float]:
-    """(result, best wall seconds, best CPU seconds) of `repeat` calls."""
-    wall = cpu = math.inf
-    result = None
-    for _ in range(max(1, repeat)):
-        c0, t0 = time.process_time(), time.perf_counter()
-        result = fn()
-        wall = min(wall, time.perf_counter() - t0)
-        cpu = min(cpu, time.process_time() - c0)
-    return result, wall, cpu
 
 
 def measure(model: str, *, density: float, repeat: int) -> dict:
@@ -66,7 +52,7 @@ def measure(model: str, *, density: float, repeat: int) -> dict:
         ("digest recompute", lambda: state_sums(state)),
         ("digest update", lambda: apply_changes(before, diff.changes)),
     ):
-        result, wall, cpu = _best(fn, repeat)
+        result, wall, cpu = best_of(fn, repeat)
         rows[label] = {"wall_s": wall, "cpu_s": cpu}
         if label == "digest recompute":
             recomputed = total(result)

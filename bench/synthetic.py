@@ -6,6 +6,7 @@ realistic deltas). Index sets are uniform, so payloads sit near the entropy floo
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 
 from .models.qwen3 import SHAPES, Shape
 
-__all__ = ["parameter_shapes", "synthetic_states"]
+__all__ = ["parameter_shapes", "publish_synthetic", "synthetic_states"]
 
 
 def parameter_shapes(shape: Shape | str) -> dict[str, tuple[int, ...]]:
@@ -48,3 +49,21 @@ def synthetic_states(
             size = rng.choice([1, 2, 3], index.size, p=[0.89, 0.08, 0.03]).astype(np.int16)
             bits[index] += size * rng.choice(np.array([-1, 1], np.int16), index.size)
         yield k, state
+
+
+def publish_synthetic(
+    bucket: str | os.PathLike,
+    shape: Shape | str,
+    steps: int,
+    *,
+    density: float,
+    run_id: str,
+    **config,
+) -> int:
+    """Publish the anchor and `steps` synthetic deltas to a folder bucket; the state's bytes."""
+    from deltasync import Publisher, PublisherConfig, open_store
+
+    with Publisher(open_store(str(bucket)), PublisherConfig(run_id=run_id, **config)) as publisher:
+        for _, state in synthetic_states(shape, steps, density=density):
+            publisher.publish(state).result(timeout=3600)
+    return sum(t.numel() * 2 for t in state.values())

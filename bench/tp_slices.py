@@ -72,21 +72,19 @@ def qwen3_boxes_of(rank: int, size: int):
 
 
 def _run(args: argparse.Namespace) -> dict:
-    from deltasync import Publisher, PublisherConfig
     from deltasync.replica.replica import Replica
     from deltasync.replica.sinks import DictSink
     from deltasync.wire.digests import total
     from deltasync.wire.manifest import fetch_entry, read_manifest
     from deltasync.wire.policy import AnchorPolicy
 
-    from .synthetic import synthetic_states
+    from .synthetic import publish_synthetic
 
     root = tempfile.mkdtemp(prefix="tp-slices-")
     policy = AnchorPolicy(interval=None, max_delta_fraction=None)
-    publisher = Publisher(LocalStore(root), PublisherConfig(run_id="tp", policy=policy))
-    for _, state in synthetic_states(args.shape, args.deltas, density=args.density):
-        publisher.publish(list(state.items())).result(timeout=3600)
-    publisher.close()
+    publish_synthetic(
+        root, args.shape, args.deltas, density=args.density, run_id="tp", policy=policy
+    )
     store = CountingStore(root)
     manifest = read_manifest(store)
     entries = [manifest.anchors[0], *manifest.deltas]

@@ -46,10 +46,6 @@ class SettingError(DeltaSyncError, ValueError):
     """A variable is set to a value its setting cannot take; the message names both."""
 
 
-def _text(raw: str) -> str:
-    return raw
-
-
 def _flag(raw: str) -> bool:
     value = raw.lower()
     if value not in ("0", "1", "false", "true"):
@@ -107,20 +103,20 @@ class Setting(Generic[T]):
 
 API_KEY = Setting(
     "DELTASYNC_API_KEY",
-    _text,
+    str,
     "",
     "the replicas' bearer token: required by a server, sent by clients",
 )
 READ_TOKEN = Setting(
     "DELTASYNC_READ_TOKEN",
-    _text,
+    str,
     "",
     "launch.py: a read-only Hub token for the Spaces that only read",
 )
-BUCKET = Setting("DELTASYNC_BUCKET", _text, "", "the dashboard's bucket (its Space variable)")
+BUCKET = Setting("DELTASYNC_BUCKET", str, "", "the dashboard's bucket (its Space variable)")
 REPLICAS = Setting(
     "DELTASYNC_REPLICAS",
-    _text,
+    str,
     "",
     "the dashboard's replicas to watch, comma-separated URLs",
 )
@@ -156,7 +152,7 @@ DEV_ROUTES = Setting(
 )
 HOST = Setting(
     "DELTASYNC_HOST",
-    _text,
+    str,
     "0.0.0.0",
     "the vLLM image's bind address outside a Space (default 0.0.0.0)",
 )

@@ -28,16 +28,11 @@ from .errors import (
     PaymentRequired,
 )
 
-__all__ = ["HfCli", "display", "locate_hf"]
+__all__ = ["HfCli", "locate_hf"]
 
 BILLING_URL = "https://huggingface.co/settings/billing"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _TIMEOUT_S = 3600.0  # an upload of a build context is small; a hung CLI still ends
-
-
-def display(argv: list[str] | tuple[str, ...]) -> str:
-    """A command line as the user would type it (`hf ...`, shell-quoted)."""
-    return shlex.join(argv)
 
 
 def locate_hf(explicit: str | None = None) -> str:
@@ -81,7 +76,7 @@ class HfCli:
 
     def show(self, *args: str) -> None:
         """Print a command line the way every call does."""
-        self.echo(f"  $ {display(['hf', *args])}")
+        self.echo(f"  $ {shlex.join(['hf', *args])}")
 
     def check_version(self) -> str:
         """The CLI's version; raises `HfCliMissing` when it is older than 2.4 or unreadable."""
@@ -146,7 +141,7 @@ class HfCli:
             return json.loads(out.splitlines()[-1])
         except ValueError:
             raise HfCommandError(
-                f"`{display(['hf', *full])}` printed no JSON: {out[:200]!r}",
+                f"`{shlex.join(['hf', *full])}` printed no JSON: {out[:200]!r}",
                 argv=full,
                 stderr=proc.stderr,
             ) from None
@@ -167,7 +162,7 @@ class HfCli:
             raise HfCliMissing(None, f"{self.executable} does not run: {exc.strerror}") from None
         except subprocess.TimeoutExpired:
             raise HfCommandError(
-                f"`{display(['hf', *args])}` did not finish in {_TIMEOUT_S:.0f}s", argv=args
+                f"`{shlex.join(['hf', *args])}` did not finish in {_TIMEOUT_S:.0f}s", argv=args
             ) from None
 
 
@@ -197,7 +192,7 @@ _UNREACHABLE = re.compile(
 def _explain(argv: tuple[str, ...], stderr: str) -> HfCommandError:
     """Turn a failed call into the error the user can act on."""
     message = _error_line(stderr)
-    command = display(["hf", *argv])
+    command = shlex.join(["hf", *argv])
     low = _ANSI.sub("", stderr).lower()
     target = next((a for a in argv[2:] if "/" in a and not a.startswith(("-", "/"))), "")
     if found := list(_UNREACHABLE.finditer(_ANSI.sub("", stderr))):

@@ -27,7 +27,6 @@ __all__ = [
     "SpaceSpec",
     "expected_host",
     "make_plan",
-    "space_roles",
 ]
 
 # Every Space launch.py creates carries this tag (front matter of its README); a Space of the

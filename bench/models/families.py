@@ -33,73 +33,48 @@ _COMMON = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-_MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
-def _qwen3(tie: bool) -> Callable[[], object]:
+def _config(name: str, drop: str = "", **extra: object) -> Callable[[], object]:
+    """A builder of transformers' `name` config: `_COMMON` (less `drop`) updated by `extra`."""
+
     def config():
-        from transformers import Qwen3Config
+        import transformers
 
-        return Qwen3Config(**_COMMON, tie_word_embeddings=tie)
+        common = {k: v for k, v in _COMMON.items() if k != drop}
+        return getattr(transformers, name)(**{**common, **extra})
 
     return config
 
 
-def _qwen3_moe():
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        **_COMMON,
-        **_MOE,
+FAMILIES: dict[str, Callable[[], object]] = {
+    "qwen3": _config("Qwen3Config", tie_word_embeddings=True),
+    "qwen3-untied": _config("Qwen3Config", tie_word_embeddings=False),
+    "qwen3-moe": _config(
+        "Qwen3MoeConfig",
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
         num_experts=8,
         decoder_sparse_step=1,
         mlp_only_layers=[],
         tie_word_embeddings=True,
-    )
-
-
-def _llama():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**_COMMON, tie_word_embeddings=False)
-
-
-def _mixtral():
-    from transformers import MixtralConfig
-
-    common = {**_COMMON, "intermediate_size": 32}
-    return MixtralConfig(
-        **common, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False
-    )
-
-
-def _gemma3():
-    from transformers import Gemma3TextConfig
-
-    return Gemma3TextConfig(
-        **_COMMON,
+    ),
+    "llama": _config("LlamaConfig", tie_word_embeddings=False),
+    "mixtral": _config(
+        "MixtralConfig",
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
+    "gemma3": _config(
+        "Gemma3TextConfig",
         query_pre_attn_scalar=32,
         layer_types=["sliding_attention", "full_attention"],
         sliding_window=64,
         architectures=["Gemma3ForCausalLM"],
-    )
-
-
-def _phi3():
-    from transformers import Phi3Config
-
-    common = {k: v for k, v in _COMMON.items() if k != "head_dim"}  # hidden / heads = 32
-    return Phi3Config(**common, tie_word_embeddings=False)
-
-
-FAMILIES: dict[str, Callable[[], object]] = {
-    "qwen3": _qwen3(tie=True),
-    "qwen3-untied": _qwen3(tie=False),
-    "qwen3-moe": _qwen3_moe,
-    "llama": _llama,
-    "mixtral": _mixtral,
-    "gemma3": _gemma3,
-    "phi3": _phi3,
+    ),
+    "phi3": _config("Phi3Config", drop="head_dim", tie_word_embeddings=False),  # hidden/heads=32
 }
 
 

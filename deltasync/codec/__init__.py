@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from deltasync.errors import import_tensor_side
-from deltasync.wire.header import SafetensorsHeader, TensorInfo, parse_header, parse_header_bytes
 from deltasync.wire.metadata import (
     ENCODINGS,
     PROTOCOL,
@@ -20,7 +19,6 @@ from deltasync.wire.metadata import (
     ParsedFile,
     ParsedParts,
     PartInfo,
-    TensorEntry,
     check_tiling,
     read_metadata,
 )
@@ -42,16 +40,11 @@ __all__ = [
     "ParsedFile",
     "ParsedParts",
     "PartInfo",
-    "SafetensorsHeader",
-    "TensorEntry",
-    "TensorInfo",
     "check_tiling",
     "decode",
     "encode_anchor",
     "encode_delta",
     "encode_virtual_anchor",
-    "parse_header",
-    "parse_header_bytes",
     "read_metadata",
 ]
 

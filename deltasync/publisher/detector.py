@@ -31,9 +31,6 @@ class ChangeDetector(Protocol):
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """The bf16 state of the last committed version, on the host."""
 
-    def digests(self) -> dict[str, str]:
-        """Per-tensor digests of `tensors`."""
-
     def diff(
         self, source: NamedTensors, pending: Sequence[Diff] = (), *, digests: bool = True
     ) -> Diff:

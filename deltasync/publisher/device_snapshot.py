@@ -157,9 +157,6 @@ class DeviceSnapshot:
         """The host mirror: the bf16 state of the last committed version."""
         return self.host.tensors
 
-    def digests(self) -> dict[str, str]:
-        return self.host.digests()
-
     def diff(
         self, source: NamedTensors, pending: Sequence[Diff] = (), *, digests: bool = True
     ) -> Diff:

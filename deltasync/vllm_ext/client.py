@@ -92,16 +92,6 @@ class ReplicaClient:
     def weight_version(self) -> str:
         return str(self.request("GET", "/weight_info")["weight_version"])
 
-    def rpc(self, method: str, **kwargs: str) -> Any:
-        """`/collective_rpc` on every worker; returns the first worker's result after checking
-        that all workers agree."""
-        results = self.rpc_all(method, **kwargs)
-        if any(r != results[0] for r in results[1:]):
-            raise ReplicaError(
-                f"workers disagree on {method}", url=self.base_url, body=str(results)
-            )
-        return results[0]
-
     def rpc_all(self, method: str, **kwargs: str) -> list[Any]:
         """`/collective_rpc` on every worker; every worker's result (tensor-parallel ranks)."""
         out = self.request("POST", "/collective_rpc", {"method": method, "kwargs": kwargs})
@@ -235,14 +225,10 @@ class ReplicaClient:
         choice = self.request("POST", "/v1/completions", body)["choices"][0]
         return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
 
-    def served_model(self) -> str:
-        """The model name the server answers to (`/v1/models`)."""
-        return str(self.request("GET", "/v1/models")["data"][0]["id"])
-
     def prompt_logprobs(self, prompt: list[int]) -> list[float]:
         """The logprob the served weights give each prompt token after the first (greedy)."""
         body = {
-            "model": self.served_model(),
+            "model": self.request("GET", "/v1/models")["data"][0]["id"],
             "prompt": prompt,
             "max_tokens": 1,
             "temperature": 0.0,

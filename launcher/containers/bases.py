@@ -32,17 +32,7 @@ from pathlib import Path
 from ..staging import REPO_ROOT
 from .engine import Engine, EngineFailed, image_size_mb, store_dir
 
-__all__ = [
-    "BUILD_TIMEOUT_S",
-    "PYTHON_FROM",
-    "VLLM_FROM",
-    "Base",
-    "as_from",
-    "ensure_bases",
-    "python_base",
-    "vllm_base",
-    "vllm_recipe",
-]
+__all__ = ["BUILD_TIMEOUT_S", "Base", "as_from", "ensure_bases"]
 
 PYTHON_FROM = "docker.io/library/python:3.11-slim"
 VLLM_FROM = "docker.io/vllm/vllm-openai:v0.32.0"

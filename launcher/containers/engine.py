@@ -114,13 +114,8 @@ class Engine:
 
     def exists(self, kind: str, name: str) -> bool:
         """Whether an image, container, network or secret (`kind`) of that name exists."""
-        probe = {
-            "image": ("image", "exists"),
-            "container": ("container", "exists"),
-            "network": ("network", "exists"),
-        }
-        if self.name == "podman" and kind in probe:
-            return self.run(*probe[kind], name, check=False).returncode == 0
+        if self.name == "podman" and kind in ("image", "container", "network"):
+            return self.run(kind, "exists", name, check=False).returncode == 0
         return self.run(kind, "inspect", name, check=False).returncode == 0
 
     @property

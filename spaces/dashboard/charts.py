@@ -28,12 +28,21 @@ _HEIGHT = 240
 _PALETTE = ["#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#ff9da6"]
 # Gradio's theme strokes every mark in the accent colour; points keep their series colour.
 _POINT = {"filled": True, "size": 36, "strokeOpacity": 0}
-_VERSION = {
-    "field": "version",
-    "type": "quantitative",
-    "title": "version",
-    "axis": {"format": "d", "tickMinStep": 1},
-}
+
+
+def _axis(field: str, title: str | None = None, **extra: Any) -> dict[str, Any]:
+    """A quantitative position encoding of `field` (titled `title`, else the field's name)."""
+    return {"field": field, "type": "quantitative", "title": title or field, **extra}
+
+
+def _line(y: dict[str, Any], color: dict[str, Any], tips: list, **mark: Any) -> dict[str, Any]:
+    """A layer of points joined by a line, over the versions unless `mark` has an `x`."""
+    x = mark.pop("x", _VERSION)
+    encoding = {"x": x, "y": y, "color": color, "tooltip": tips}
+    return {"mark": {"type": "line", "point": _POINT, **mark}, "encoding": encoding}
+
+
+_VERSION = _axis("version", axis={"format": "d", "tickMinStep": 1})
 
 
 def to_plot(spec: dict[str, Any]) -> AltairPlotData:
@@ -51,35 +60,17 @@ def sparsity_chart(versions: list[dict[str, Any]]) -> dict[str, Any]:
         "Sparsity and changed elements per delta",
         rows,
         [
-            {
-                "mark": {"type": "line", "point": _POINT},
-                "encoding": {
-                    "x": _VERSION,
-                    "y": {
-                        "field": "sparsity",
-                        "type": "quantitative",
-                        "title": "sparsity",
-                        "axis": {"format": ".1%"},
-                        "scale": {"zero": False},
-                    },
-                    "color": _color({"datum": names[0]}, names),
-                    "tooltip": tips,
-                },
-            },
-            {
-                "mark": {"type": "line", "point": _POINT, "strokeDash": [4, 3]},
-                "encoding": {
-                    "x": _VERSION,
-                    "y": {
-                        "field": "changed_elements",
-                        "type": "quantitative",
-                        "title": "changed elements",
-                        "axis": {"format": "~s"},
-                    },
-                    "color": _color({"datum": names[1]}, names),
-                    "tooltip": tips,
-                },
-            },
+            _line(
+                _axis("sparsity", axis={"format": ".1%"}, scale={"zero": False}),
+                _color({"datum": names[0]}, names),
+                tips,
+            ),
+            _line(
+                _axis("changed_elements", "changed elements", axis={"format": "~s"}),
+                _color({"datum": names[1]}, names),
+                tips,
+                strokeDash=[4, 3],
+            ),
         ],
         resolve={"scale": {"y": "independent"}},
     )
@@ -97,13 +88,7 @@ def payload_chart(versions: list[dict[str, Any]]) -> dict[str, Any]:
         return _placeholder("Payload bytes per sync", "no files yet")
     full = max((r["full_bytes"] or 0 for r in versions), default=0)
     names = ["delta", "anchor", "full bf16 model"]
-    log_y = {
-        "field": "bytes",
-        "type": "quantitative",
-        "scale": {"type": "log"},
-        "title": "bytes (log scale)",
-        "axis": {"format": "~s"},
-    }
+    log_y = _axis("bytes", "bytes (log scale)", scale={"type": "log"}, axis={"format": "~s"})
     tips = _tips("version", "file", "bytes")
     layer: list[dict[str, Any]] = [
         {
@@ -113,13 +98,7 @@ def payload_chart(versions: list[dict[str, Any]]) -> dict[str, Any]:
         },
         {
             "transform": [{"filter": "datum.file === 'delta'"}],
-            "mark": {"type": "line", "point": _POINT},
-            "encoding": {
-                "x": _VERSION,
-                "y": log_y,
-                "color": _color({"field": "file"}, names),
-                "tooltip": tips,
-            },
+            **_line(log_y, _color({"field": "file"}, names), tips),
         },
         {
             "transform": [{"filter": "datum.file === 'anchor'"}],
@@ -179,15 +158,11 @@ def _seconds_lines(title: str, rows: list[dict[str, Any]], empty: str) -> dict[s
         title,
         rows,
         [
-            {
-                "mark": {"type": "line", "point": _POINT},
-                "encoding": {
-                    "x": _VERSION,
-                    "y": {"field": "seconds", "type": "quantitative", "title": "seconds"},
-                    "color": _color({"field": "series"}, names),
-                    "tooltip": _tips("version", "series", "seconds"),
-                },
-            }
+            _line(
+                _axis("seconds"),
+                _color({"field": "series"}, names),
+                _tips("version", "series", "seconds"),
+            )
         ],
     )
 
@@ -200,25 +175,12 @@ def reward_chart(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "Reward per step",
         rows,
         [
-            {
-                "mark": {"type": "line", "point": _POINT},
-                "encoding": {
-                    "x": {
-                        "field": "step",
-                        "type": "quantitative",
-                        "title": "step",
-                        "axis": {"format": "d", "tickMinStep": 1},
-                    },
-                    "y": {
-                        "field": "reward",
-                        "type": "quantitative",
-                        "title": "mean reward",
-                        "scale": {"zero": False},
-                    },
-                    "color": _color({"datum": names[0]}, names),
-                    "tooltip": _tips("step", "version", "reward"),
-                },
-            }
+            _line(
+                _axis("reward", "mean reward", scale={"zero": False}),
+                _color({"datum": names[0]}, names),
+                _tips("step", "version", "reward"),
+                x=_axis("step", axis={"format": "d", "tickMinStep": 1}),
+            )
         ],
     )
 

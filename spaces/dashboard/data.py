@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from deltasync.errors import DeltaSyncError, FormatError, StoreError
@@ -156,16 +156,7 @@ class BucketWatcher:
         if last is None or last.state == "empty":
             return self._snap("error", message)
         shown = time.strftime("%H:%M:%S", time.localtime(last.polled_at))
-        return Snapshot(
-            last.bucket,
-            "error",
-            f"{message} (showing data from {shown})",
-            last.polled_at,
-            last.health,
-            last.files,
-            last.records,
-            last.problems,
-        )
+        return replace(last, state="error", message=f"{message} (showing data from {shown})")
 
     def _read_manifest(self) -> Manifest | None:
         data = read_manifest_bytes(self.store)

@@ -15,7 +15,6 @@ __all__ = [
     "TABLE_COLUMNS",
     "files_table",
     "health_markdown",
-    "human_bytes",
     "latency_series",
     "plain",
     "replicas_table",

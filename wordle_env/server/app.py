@@ -84,21 +84,16 @@ def create_wordle_app(
     if max_concurrent_envs < 1:
         raise ValueError(f"max_concurrent_envs must be >= 1, got {max_concurrent_envs}")
     load_word_lists()  # read once, before the first session, instead of inside one
-    if web:
-        app = create_web_interface_app(
-            WordleEnvironment,
-            WordleAction,
-            WordleObservation,
-            env_name="wordle_env",
-            max_concurrent_envs=max_concurrent_envs,
-        )
-    else:
-        app = create_fastapi_app(
-            WordleEnvironment,
-            WordleAction,
-            WordleObservation,
-            max_concurrent_envs=max_concurrent_envs,
-        )
+    create, named = (
+        (create_web_interface_app, {"env_name": "wordle_env"}) if web else (create_fastapi_app, {})
+    )
+    app = create(
+        WordleEnvironment,
+        WordleAction,
+        WordleObservation,
+        max_concurrent_envs=max_concurrent_envs,
+        **named,
+    )
     install_error_handlers(app)
     # Outermost last: uploads and /mcp are answered before anything else, deadlines wrap
     # OpenEnv's handler.
