@@ -46,7 +46,7 @@ from deltasync.vllm_ext.apply.inplace import InPlaceSink
 from deltasync.wire.digests import total
 
 from .gpu_common import GPU_SHAPES, part_main, shape_of, timed
-from .gpu_detect import _same
+from .gpu_detect import differing
 from .models.qwen3 import build_config
 from .models.vllm_layout import StandInQwen3, standin_layout
 
@@ -106,7 +106,7 @@ def run(
         _, step_s = timed(device, optimizer_step)
         want, host_s = timed(device, host.diff, trainer, digests=False)
         diff, device_s = timed(device, on_device.diff, trainer, digests=False)
-        assert not (bad := _same(diff, want)), f"device and host diffs differ: {bad}"
+        assert not (bad := differing(diff, want)), f"device and host diffs differ: {bad}"
         new_sums, digest_s = timed(device, apply_changes, sums, diff.changes)
         hashes, hashes_s = timed(device, digests_after, host.tensors, diff)
         diff = type(diff)(diff.changes, hashes, diff.shapes)

@@ -30,7 +30,7 @@ from deltasync.publisher.snapshot import Bf16Snapshot
 from .gpu_common import Peak, Transfers, mib, part_main, shape_of, synchronize
 from .synthetic import parameter_shapes
 
-__all__ = ["main"]
+__all__ = ["differing", "main"]
 
 DENSITIES = (0.005, 0.03, 0.15, 0.5)
 HOST_AT = 0.03  # the density the host path runs at once (its cost hardly depends on it)
@@ -45,7 +45,7 @@ def _perturb(params: dict[str, torch.Tensor], density: float, gen: torch.Generat
         del sign
 
 
-def _same(a, b) -> list[str]:
+def differing(a, b) -> list[str]:
     """Names of tensors whose changes differ between two diffs (empty: equal bit for bit)."""
     bad = sorted(set(a.changes) ^ set(b.changes))
     for name in set(a.changes) & set(b.changes):
@@ -105,7 +105,7 @@ def run(args, part, device: torch.device) -> bool:
             ok &= abs(diff.density - density) < 0.1 * density + 1e-3
             if density == HOST_AT:
                 want, host = _measure(device, snapshot.host.diff, params, digests=False)
-                bad = _same(diff, want)
+                bad = differing(diff, want)
                 ok &= not bad
                 row["host"] = host
                 row["host_equals_device"] = not bad

@@ -11,6 +11,7 @@ model a trainer would hold.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def _config(name: str, drop: str = "", **extra: object) -> Callable[[], object]:
         import transformers
 
         common = {k: v for k, v in _COMMON.items() if k != drop}
-        return getattr(transformers, name)(**{**common, **extra})
+        return getattr(transformers, name)(**{**common, **copy.deepcopy(extra)})
 
     return config
 

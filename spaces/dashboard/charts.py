@@ -35,14 +35,14 @@ def _axis(field: str, title: str | None = None, **extra: Any) -> dict[str, Any]:
     return {"field": field, "type": "quantitative", "title": title or field, **extra}
 
 
+_VERSION = _axis("version", axis={"format": "d", "tickMinStep": 1})
+
+
 def _line(y: dict[str, Any], color: dict[str, Any], tips: list, **mark: Any) -> dict[str, Any]:
     """A layer of points joined by a line, over the versions unless `mark` has an `x`."""
     x = mark.pop("x", _VERSION)
     encoding = {"x": x, "y": y, "color": color, "tooltip": tips}
     return {"mark": {"type": "line", "point": _POINT, **mark}, "encoding": encoding}
-
-
-_VERSION = _axis("version", axis={"format": "d", "tickMinStep": 1})
 
 
 def to_plot(spec: dict[str, Any]) -> AltairPlotData:
