@@ -58,7 +58,8 @@ MAX_STAGED = 4  # staging slots kept at once (the trainer needs one or two)
 
 @dataclass(frozen=True)
 class _Staged:
-    """Files downloaded and staged (`update`) to reach `target` from state `base`."""
+    """Files downloaded and staged (`update`) to reach `target` from state `base`; `read`: the
+    bytes this worker read for it (its boxes of an anchor, whole deltas)."""
 
     base: tuple[str | None, int | None]
     target: int
@@ -66,6 +67,7 @@ class _Staged:
     bytes: int
     update: StagedUpdate
     seconds: float
+    read: int
 
 
 class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
@@ -198,7 +200,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     def _stage_now(
         self, store: Store, state: Replica, target: int, path: str | None, manifest: bytes | None
     ) -> _Staged:
-        started = time.perf_counter()
+        started, read_before = time.perf_counter(), store.bytes_read
         base = (state.run_id, state.version)
         # the (whole) shapes held bound the sizes the manifest may declare, before any read
         shapes = state.sink.shapes()
@@ -214,7 +216,8 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         entries = planned.entries
         update = state.stage(fetch_all(store, entries, planned.fetch(fetch)))
         size = sum(e.bytes for e in entries)
-        return _Staged(base, target, entries, size, update, time.perf_counter() - started)
+        seconds, read = time.perf_counter() - started, store.bytes_read - read_before
+        return _Staged(base, target, entries, size, update, seconds, read)
 
     def _take(self, info: UpdateInfo) -> _Staged:
         """The staging of `info.version` if it is still valid, else a fresh one (inline)."""
@@ -336,6 +339,7 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             "applied": applied,
             "files": [e.label for e in staged.entries],
             "bytes": staged.bytes,
+            "bytes_read": staged.read,  # this worker's
             "stage_s": round(staged.seconds, 4),
             "apply_s": round(time.perf_counter() - started, 4),
             "commit_s": round(time.perf_counter() - committing, 4),
@@ -485,8 +489,9 @@ def _tp_position(size: int) -> tuple[int, int]:
 
 def unsupported_serving(vllm_config: Any) -> str | None:
     """Why this server cannot take bf16 deltas (None: it can). Quantized weights are not the
-    bytes the bucket holds, LoRA wraps the layers the loaders write, and an expert-parallel
-    worker's loaders skip the experts another worker holds."""
+    bytes the bucket holds, LoRA wraps the layers the loaders write; experts spread over the
+    engines of data parallelism, or moved at run time by load balancing, are not where the
+    workers' layouts put them."""
     quantization = getattr(vllm_config.model_config, "quantization", None)
     if quantization or getattr(vllm_config, "quant_config", None) is not None:
         return (
@@ -496,12 +501,15 @@ def unsupported_serving(vllm_config: Any) -> str | None:
     if getattr(vllm_config, "lora_config", None) is not None:
         return "deltasync applies full weights; this server has --enable-lora; start it without"
     parallel = vllm_config.parallel_config
-    experts = parallel.tensor_parallel_size * parallel.data_parallel_size
-    if parallel.enable_expert_parallel and experts > 1:
+    if parallel.enable_expert_parallel and parallel.data_parallel_size > 1:
         return (
-            "deltasync does not place experts split over workers yet; this server has "
-            "--enable-expert-parallel over "
-            f"{experts} workers: serve with --tensor-parallel-size alone (experts are then "
-            "holding boxes, which it places)"
+            "deltasync places experts over the workers of one engine; this server has "
+            f"--enable-expert-parallel over {parallel.data_parallel_size} data-parallel "
+            "engines: serve with --tensor-parallel-size and --enable-expert-parallel alone"
+        )
+    if getattr(parallel, "enable_eplb", False):
+        return (
+            "deltasync places each expert where vLLM's expert map put it at start; this server "
+            "has --enable-eplb, which moves experts while serving: start it without"
         )
     return None

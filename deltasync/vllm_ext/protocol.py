@@ -189,8 +189,9 @@ def parse_message(cls: type, raw: Any, what: str) -> Any:
 def merge_statuses(results: list[Any]) -> dict[str, Any]:
     """One `deltasync_status` from every worker's: the first worker's, with `staging` and `busy`
     merged (tensor-parallel workers stage in parallel: a version is ready once every worker has
-    it ready, failed once one failed; busy while one still stages) and `bytes_read` listing
-    what each worker read from the bucket. Raises FormatError when a
+    it ready, failed once one failed; busy while one still stages), `bytes_read` listing
+    what each worker read from the bucket and `last_read` what each read for the last update.
+    Raises FormatError when a
     worker sent no status or the workers disagree on the run, version or digest they hold."""
     if not results or not all(
         isinstance(r, dict) and isinstance(r.get("staging"), dict) for r in results
@@ -209,4 +210,5 @@ def merge_statuses(results: list[Any]) -> dict[str, Any]:
         )
     busy = any(r.get("busy") for r in results)
     read = [r.get("bytes_read") for r in results]  # each worker reads its own boxes
-    return first | {"staging": staging, "busy": busy, "bytes_read": read}
+    last = [(r.get("last_update") or {}).get("bytes_read") for r in results]
+    return first | {"staging": staging, "busy": busy, "bytes_read": read, "last_read": last}

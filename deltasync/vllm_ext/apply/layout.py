@@ -12,7 +12,10 @@ subsets, padded vocabularies, tied heads) in the loader's own terms.
 A placement is exact or refused: a tensor must be copied once, from a box of its rows (and
 columns) into a contiguous run of one parameter; one that a loader transforms (casts, adds,
 transposes), splits over several parameters, or that the served model does not load at all is
-refused in one line naming it (`placements`). Sinks use what they need: the in-place sink
+refused in one line naming it (`placements`). Under expert parallelism a worker's loaders
+decline the experts another worker holds (vLLM's expert map says where each one is; the twin is
+built with this worker's map and checked against the served one): such a tensor is placed as an
+empty box, and the worker holding it owns its elements. Sinks use what they need: the in-place sink
 writes changes at `Placement.offset` (the loader's layout, before any post-load transform); the
 CPU shadow sink reloads `Layout.groups` - every checkpoint tensor of each touched module - through
 vLLM's own load and `process_weights_after_loading`.
@@ -21,15 +24,17 @@ vLLM's own load and `process_weights_after_loading`.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._device import DeviceContext, _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltasync.errors import FormatError
@@ -132,10 +137,28 @@ class _Recorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _MetaWeights(DeviceContext):
+    """The meta device for floating-point tensors (weights); tensors made with an integer dtype
+    on the host: they are index tables (an expert map) that vLLM's loaders read values from."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _device_constructors() and kwargs.get("device") is None:
+            dtype = kwargs.get("dtype")
+            kwargs["device"] = (
+                "cpu" if dtype is not None and not dtype.is_floating_point else "meta"
+            )
+        return func(*args, **kwargs)
+
+
 def meta_twin(model: torch.nn.Module, vllm_config: Any) -> torch.nn.Module:
     """A second instance of the served model's class on the meta device, built with a copy of
     its config (layers register themselves in the compilation config; the live one keeps its
-    registry)."""
+    registry), its expert maps the served model's (checked).
+
+    Raises:
+        FormatError: the twin's experts would not sit where the served model holds them.
+    """
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -146,16 +169,33 @@ def meta_twin(model: torch.nn.Module, vllm_config: Any) -> torch.nn.Module:
     compilation.static_all_moe_layers = []
     config.compilation_config = compilation
     dtype = vllm_config.model_config.dtype
-    with set_current_vllm_config(config), torch.device("meta"), set_default_torch_dtype(dtype):
-        return initialize_model(vllm_config=config, model_class=type(model))
+    with set_current_vllm_config(config), _MetaWeights("meta"), set_default_torch_dtype(dtype):
+        twin = initialize_model(vllm_config=config, model_class=type(model))
+    for name, module in twin.named_modules():
+        if (manager := getattr(module, "expert_map_manager", None)) is not None:
+            served = model.get_submodule(name).expert_map_manager.expert_map
+            if not _same_map(served, manager.expert_map):
+                raise FormatError(
+                    "the served model's experts sit elsewhere than its config places them "
+                    "(a rebalanced expert map: --enable-eplb?)",
+                    tensor=name,
+                )
+    return twin
+
+
+def _same_map(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return torch.equal(a.cpu(), b.cpu())
 
 
 def record_writes(
     twin: torch.nn.Module, shapes: Shapes, dtype: torch.dtype = torch.bfloat16
-) -> tuple[list[Write], dict[str, tuple[int, ...]], dict[str, str]]:
+) -> tuple[list[Write], dict[str, tuple[int, ...]], dict[str, str], dict[str, str]]:
     """Every weight-loader copy `twin.load_weights` makes for checkpoint tensors of `shapes`
-    (handed over one at a time), each parameter's loader shape, and the tensors whose loader
-    raised (`name: error`)."""
+    (handed over one at a time), each parameter's loader shape, the tensors whose loader
+    raised (`name: error`), and the experts another worker holds (`name: parameter` that
+    declined them, under expert parallelism)."""
     params: dict[int, str] = {}
     param_shapes = {}
     for name, param in twin.named_parameters(remove_duplicate=False):
@@ -164,15 +204,45 @@ def record_writes(
     checkpoint = {n: torch.empty(tuple(s), dtype=dtype, device="meta") for n, s in shapes.items()}
     sources = {_storage_id(t): n for n, t in checkpoint.items()}
     recorder = _Recorder(params, sources)
-    refused = {}
+    refused: dict[str, str] = {}
+    declines: list[str] = []  # the parameters that declined the tensor being loaded
+    _note_declines(twin, declines)
+    elsewhere = {}
     with torch.no_grad():
         for name, tensor in checkpoint.items():
+            declines.clear()
             try:
                 with recorder:
                     twin.load_weights(iter([(name, tensor)]))
             except Exception as exc:  # the loader's own check, e.g. a shape that does not fit
                 refused[name] = f"vLLM's loader refuses it: {type(exc).__name__}: {exc}"
-    return recorder.writes, param_shapes, refused
+            if declines:
+                elsewhere[name] = declines[0]
+    return recorder.writes, param_shapes, refused, elsewhere
+
+
+def _note_declines(twin: torch.nn.Module, declines: list[str]) -> None:
+    """Have each expert parameter's loader append its name to `declines` when it declines an
+    expert because another worker holds it (vLLM's expert map; the twin is ours to change)."""
+    for module_name, module in twin.named_modules():
+        manager = getattr(module, "expert_map_manager", None)
+        if manager is None or manager.expert_map is None:
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if loader := getattr(param, "weight_loader", None):
+                name = f"{module_name}.{param_name}"
+                param.weight_loader = _declining(loader, manager, name, declines)
+
+
+def _declining(loader: Callable, manager: Any, name: str, declines: list[str]) -> Callable:
+    @functools.wraps(loader)
+    def load(*args: Any, **kwargs: Any) -> Any:
+        done = loader(*args, **kwargs)
+        if done is False and not manager.is_local_expert(kwargs["expert_id"]):
+            declines.append(name)
+        return done
+
+    return load
 
 
 def derive_layout(
@@ -190,9 +260,12 @@ def layout_from_writes(
     writes: list[Write],
     param_shapes: Mapping[str, tuple[int, ...]],
     refused: Mapping[str, str],
+    elsewhere: Mapping[str, str],
     shapes: Shapes,
 ) -> Layout:
-    """Placements and reload groups from recorded loader copies (pure geometry)."""
+    """Placements and reload groups from recorded loader copies (pure geometry); a tensor
+    `elsewhere` names (another worker's expert) is placed as an empty box of the parameter
+    that declined it, outside the reload groups."""
     layout = Layout(param_shapes=dict(param_shapes), problems=dict(refused))
     by_source: dict[str, list[Write]] = {}
     for write in writes:
@@ -212,6 +285,11 @@ def layout_from_writes(
             if name not in members:
                 members.append(name)
         if name in layout.problems:
+            continue
+        if not found and name in elsewhere:
+            param = elsewhere[name]
+            module = param.rpartition(".")[0]
+            layout.placements[name] = Placement(name, param, module, Box(shape, (0, 0)), 0)
             continue
         if not found:
             layout.problems[name] = "the served model does not load it"
@@ -301,8 +379,9 @@ def _box(
 def with_owners(layout: Layout, model: torch.nn.Module, rank: int, size: int) -> Layout:
     """Mark which worker of `size` counts each element in the full-state digest (`Box.owner`).
 
-    A box every worker holds whole (norms, a router) is owned by rank 0; a slice by the worker
-    holding it, except the key/value heads of a fused q/k/v layer replicated over workers
+    A box every worker holds whole (norms, a router) is owned by rank 0; an expert under expert
+    parallelism by the one worker holding it (the others hold an empty box); a slice by the
+    worker holding it, except the key/value heads of a fused q/k/v layer replicated over workers
     (`num_kv_head_replicas`, when TP exceeds the KV heads), owned by the first of each group.
     The engine checks that the owned boxes tile every tensor exactly once (`check_cover`).
     """
@@ -310,10 +389,13 @@ def with_owners(layout: Layout, model: torch.nn.Module, rank: int, size: int) ->
         return layout
     placements = {}
     for name, p in layout.placements.items():
-        if p.box.is_whole:
+        module = model.get_submodule(p.module_name)
+        if getattr(module, "expert_map_manager", None) is not None and module.use_ep:
+            owner = p.box.numel > 0
+        elif p.box.is_whole:
             owner = rank == 0
         else:
-            replicas = getattr(model.get_submodule(p.module_name), "num_kv_head_replicas", 1)
+            replicas = getattr(module, "num_kv_head_replicas", 1)
             owner = replicas == 1 or p.offset == 0 or rank % replicas == 0  # q sits first
         placements[name] = replace(p, box=replace(p.box, owner=owner))
     return replace(layout, placements=placements)

@@ -90,5 +90,9 @@ def test_a_sync_request_takes_a_json_integer():
 
 def test_the_workers_status_lists_what_each_read():
     worker = {"run_id": "r", "version": 3, "state_digest": "d", "staging": {}, "busy": False}
-    merged = merge_statuses([worker | {"bytes_read": 700}, worker | {"bytes_read": 500}])
+    first = worker | {"bytes_read": 700, "last_update": {"version": 3, "bytes_read": 70}}
+    second = worker | {"bytes_read": 500, "last_update": {"version": 3, "bytes_read": 50}}
+    merged = merge_statuses([first, second])
     assert merged["bytes_read"] == [700, 500] and merged["version"] == 3
+    assert merged["last_read"] == [70, 50]  # what each read for the last update
+    assert merge_statuses([worker, worker])["last_read"] == [None, None]  # none applied yet

@@ -1,6 +1,7 @@
 """Servers whose weights are not the bucket's bf16 bytes (or not where the layouts place them)
-are refused when the transfer engine initialises, before any traffic: quantized serving, LoRA
-and expert parallelism over several workers, each in one line naming the flag.
+are refused when the transfer engine initialises, before any traffic: quantized serving, LoRA,
+experts spread over data-parallel engines and experts moved while serving (load balancing),
+each in one line naming the flag. Expert parallelism over the workers of one engine is served.
 
 The configs are vLLM's own (`VllmConfig` with `quantization="fp8"`, with a `LoRAConfig`); the
 engine is the one a worker builds from them.
@@ -71,13 +72,22 @@ def test_init_refuses_in_one_line_naming_the_flag(model_dirs, tmp_path, kwargs, 
     assert engine.store is None and engine.state is None  # nothing was set up
 
 
-def test_expert_parallelism_over_workers_is_refused_naming_the_flag(model_dirs):
-    """The same line a TP-2 worker's engine gives at init (its own test needs a TP group)."""
+@pytest.mark.parametrize(
+    ("parallel", "flag"),
+    [
+        ({"data_parallel_size": 2, "enable_expert_parallel": True}, "--enable-expert-parallel"),
+        ({"tensor_parallel_size": 2, "enable_expert_parallel": True}, "--enable-eplb"),
+    ],
+)
+def test_experts_the_layouts_cannot_place_are_refused_naming_the_flag(model_dirs, parallel, flag):
+    """The same line a worker's engine gives at init (its own test needs a TP group). vLLM
+    takes --enable-eplb only on a GPU: the config gets it after it is built."""
     from deltasync.vllm_ext.engine import unsupported_serving
 
-    ep = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
-    refusal = unsupported_serving(_config(model_dirs["qwen3-moe"], parallel=ep))
-    assert refusal is not None and "--enable-expert-parallel" in refusal and "\n" not in refusal
+    config = _config(model_dirs["qwen3-moe"], parallel=parallel)
+    config.parallel_config.enable_eplb = flag == "--enable-eplb"
+    refusal = unsupported_serving(config)
+    assert refusal is not None and flag in refusal and "\n" not in refusal
 
 
 def test_plain_bf16_serving_is_accepted(model_dirs):
@@ -86,3 +96,5 @@ def test_plain_bf16_serving_is_accepted(model_dirs):
     assert unsupported_serving(_config(model_dirs["llama"])) is None
     tp2 = {"tensor_parallel_size": 2}
     assert unsupported_serving(_config(model_dirs["qwen3-moe"], parallel=tp2)) is None
+    ep2 = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+    assert unsupported_serving(_config(model_dirs["qwen3-moe"], parallel=ep2)) is None
