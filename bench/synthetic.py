@@ -12,20 +12,25 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from .models.qwen3 import SHAPES, Shape
+from .models.qwen3 import MOE_SHAPES, SHAPES, Shape
 
 __all__ = ["parameter_shapes", "publish_synthetic", "synthetic_states"]
 
 
 def parameter_shapes(shape: Shape | str) -> dict[str, tuple[int, ...]]:
-    """HF parameter names and shapes of a Qwen3 of this shape (tied aliases skipped)."""
-    from transformers import Qwen3ForCausalLM
+    """Checkpoint names and shapes of a Qwen3 (or Qwen3-MoE: one tensor per expert and
+    projection, as `save_pretrained` writes them) of this shape (tied aliases skipped)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     from .models.qwen3 import build_config
 
+    if isinstance(shape, str):
+        shape = (SHAPES | MOE_SHAPES)[shape]
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(build_config(SHAPES[shape] if isinstance(shape, str) else shape))
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+        model = AutoModelForCausalLM.from_config(build_config(shape))
+        held = {name: torch.empty(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(t.shape) for name, t in revert_weight_conversion(model, held).items()}
 
 
 def synthetic_states(

@@ -8,6 +8,12 @@
   - `qwen3-100m`: hidden 768, 12 layers, 12 heads, 4 kv heads, head_dim 64, intermediate 3072,
     vocab 32000, tied embeddings: 128M parameters, 0.26 GB bf16 (quick runs).
   - `qwen3-tiny`: hidden 128, 2 layers, vocab 4096 (smoke tests only).
+- `MOE_SHAPES`, Qwen3-MoE (`Shape.experts` routed experts per layer, top 8) for the benchmarks
+  that only need tensor shapes (`bench.synthetic`):
+  - `qwen3-30b-a3b-2l`: Qwen3-30B-A3B's shapes (hidden 2048, 32 heads, 4 kv heads, head_dim
+    128, 128 experts of intermediate 768, vocab 151936, untied) with 2 of its 48 layers:
+    1.87B parameters, 3.74 GB bf16, 65 % of them in experts.
+  - `qwen3-moe-tiny`: hidden 128, 2 layers, 8 experts of intermediate 64 (smoke tests only).
 - `tiny_qwen3`: the tests' in-memory Qwen3, the local run's `tiny` preset (2 layers, head_dim 32,
   std-0.02 init); `uneven_qwen3` the same with an odd vocabulary and an untied head (uneven row
   shards for the FSDP2 tests).
@@ -19,7 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SHAPES", "Shape", "build_config", "build_model", "tiny_qwen3", "uneven_qwen3"]
+__all__ = [
+    "MOE_SHAPES",
+    "SHAPES",
+    "Shape",
+    "build_config",
+    "build_model",
+    "tiny_qwen3",
+    "uneven_qwen3",
+]
 
 
 @dataclass(frozen=True)
@@ -32,6 +46,8 @@ class Shape:
     intermediate: int
     vocab: int
     tied: bool = True
+    experts: int = 0  # routed experts per layer (Qwen3-MoE); 0: a dense MLP
+    expert_intermediate: int = 0
 
 
 SHAPES: dict[str, Shape] = {
@@ -40,13 +56,18 @@ SHAPES: dict[str, Shape] = {
     "qwen3-100m": Shape(768, 12, 12, 4, 64, 3072, 32000),
     "qwen3-tiny": Shape(128, 2, 4, 2, 32, 384, 4096),
 }
+MOE_SHAPES: dict[str, Shape] = {
+    "qwen3-30b-a3b-2l": Shape(2048, 2, 32, 4, 128, 6144, 151936, False, 128, 768),
+    "qwen3-moe-tiny": Shape(128, 2, 4, 2, 32, 384, 4096, True, 8, 64),
+}
 
 
 def build_config(shape: Shape):
-    """The `transformers.Qwen3Config` of a shape (std-0.02 init, tied embeddings by default)."""
-    from transformers import Qwen3Config
+    """The `transformers.Qwen3Config` of a shape (std-0.02 init, tied embeddings by default),
+    a `Qwen3MoeConfig` (every layer sparse) when it has experts."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    return Qwen3Config(
+    common = dict(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
@@ -61,6 +82,16 @@ def build_config(shape: Shape):
         rope_theta=1_000_000.0,
         use_cache=False,
         attn_implementation="sdpa",
+    )
+    if not shape.experts:
+        return Qwen3Config(**common)
+    return Qwen3MoeConfig(
+        **common,
+        num_experts=shape.experts,
+        num_experts_per_tok=min(8, shape.experts),
+        moe_intermediate_size=shape.expert_intermediate,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
     )
 
 

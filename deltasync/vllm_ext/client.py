@@ -125,6 +125,17 @@ class ReplicaClient:
         workers = [{"digests": r["digests"], "boxes": r["boxes"]} for r in results]
         return first | {"digests": None, "boxes": None, "workers": workers}
 
+    def engine_digests(self) -> tuple[int | None, list[dict[str, str]]]:
+        """(version held, each worker's `{vLLM parameter name: xxh3-128}` of the engine's own
+        parameters after its post-load processing): a replica serves a version exactly as a
+        fresh load of it with the same flags when their workers' digests are equal."""
+        results = self.rpc_all("deltasync_engine_digests")
+        if not all(isinstance(r, dict) and isinstance(r.get("digests"), dict) for r in results):
+            raise ReplicaError("workers sent no digests", url=self.base_url, body=str(results))
+        if any(r["version"] != results[0]["version"] for r in results):
+            raise ReplicaError("workers hold different versions", url=self.base_url)
+        return results[0]["version"], [r["digests"] for r in results]
+
     def served_state_digest(
         self, *, timeout_s: float = 600.0, poll_s: float = 0.05
     ) -> tuple[int | None, StateDigest | None]:

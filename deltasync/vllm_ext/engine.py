@@ -47,7 +47,7 @@ from deltasync.vllm_ext.apply.layout import LayoutOf
 from deltasync.vllm_ext.apply.shadow import ShadowSink, vllm_reloader
 from deltasync.vllm_ext.apply.swap import CpuGemmSwapper
 from deltasync.vllm_ext.protocol import InitInfo, UpdateInfo, parse_message
-from deltasync.wire.digests import StateDigest, total
+from deltasync.wire.digests import StateDigest, tensor_digest, total
 from deltasync.wire.manifest import ChainEntry, fetch_entry
 
 __all__ = ["MAX_STAGED", "DeltaSyncEngine"]
@@ -424,6 +424,14 @@ class DeltaSyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             "digests": state.digests(),
             "boxes": None if boxes is None else {n: b.to_json() for n, b in boxes.items()},
         }
+
+    def engine_digests(self) -> dict[str, Any]:
+        """Digests of this worker's parameters as the engine computes with them (vLLM names,
+        raw bytes after its post-load processing: fused, padded, prepacked), and the version
+        held: two servers with the same flags holding the same version must report the same,
+        whether one synced to it and the other loaded it from a folder."""
+        digests = {n: tensor_digest(p.data.cpu()) for n, p in self.model.named_parameters()}
+        return {"version": None if self.state is None else self.state.version, "digests": digests}
 
     def _ready(self) -> tuple[Store, Replica]:
         if self.store is None or self.state is None:

@@ -168,3 +168,7 @@ class DeltaSyncWorkerExtension:
     def deltasync_digests(self) -> dict[str, Any]:
         """Per-tensor xxh3-128 digests of the served bf16 weights, by HF name."""
         return self._deltasync_engine().digests()
+
+    def deltasync_engine_digests(self) -> dict[str, Any]:
+        """xxh3-128 digests of the engine's own parameters, by vLLM name."""
+        return self._deltasync_engine().engine_digests()

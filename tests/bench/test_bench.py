@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from bench.__main__ import main
@@ -87,12 +88,38 @@ def test_tp_slices_bench_splits_what_each_worker_holds(tmp_path, capsys, monkeyp
 
     out = tmp_path / "tp.json"
     tp_slices(["--shape", "qwen3-tiny", "--deltas", "2", "--json", str(out)])
-    assert "| TP | worker | anchor read MB" in capsys.readouterr().out
+    assert "| replica | worker | anchor read MB" in capsys.readouterr().out
     results = json.loads(out.read_text())
     (whole,), pair = results["tp1"], results["tp2"]
     assert sum(w["held_mb"] for w in pair) < whole["held_mb"] * 1.05  # norms held by both
     assert all(w["held_mb"] < 0.6 * whole["held_mb"] for w in pair)
     assert min(w["anchor_read_mb"] for w in pair) < 0.8 * whole["anchor_read_mb"]
+
+
+def test_tp_slices_bench_with_expert_parallelism_reads_each_expert_once(
+    tmp_path, capsys, monkeypatch
+):
+    """`--expert-parallel` on a Qwen3-MoE shape: each TP 2 + EP worker reads exactly half of
+    the anchor's expert bytes (its experts whole), where a TP 2 worker reads a slice of every
+    expert; both hold half of the experts."""
+    from bench.tp_slices import main as tp_slices
+
+    monkeypatch.setattr("deltasync.wire.stored.HEAD_BYTES", 4096)
+    monkeypatch.setattr("deltasync.wire.stored.MERGE_GAP", 0)
+
+    out = tmp_path / "tp.json"
+    args = ["--shape", "qwen3-moe-tiny", "--deltas", "1", "--expert-parallel"]
+    tp_slices([*args, "--json", str(out)])
+    assert "| TP 2 + EP | 1 |" in capsys.readouterr().out
+    results = json.loads(out.read_text())
+    experts = results["anchor_expert_bytes"] / 1e6
+    (whole,) = results["tp1"]
+    assert whole["anchor_expert_read_mb"] == pytest.approx(experts)
+    for worker in results["tp2-ep"]:
+        assert worker["anchor_expert_read_mb"] == pytest.approx(experts / 2)
+    for sliced, ep in zip(results["tp2"], results["tp2-ep"], strict=True):
+        assert 0 < sliced["anchor_expert_read_mb"] < experts
+        assert ep["held_mb"] == pytest.approx(sliced["held_mb"])
 
 
 def test_a_missing_workdir_is_created(tmp_path):

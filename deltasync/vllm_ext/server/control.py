@@ -54,7 +54,9 @@ log = logging.getLogger("deltasync.control")
 STAGE_RPC = "deltasync_stage"
 SHARE_RPC = "deltasync_state_share"  # its `start` begins a background pass, changing nothing
 # What `/collective_rpc` may run: staging (it changes nothing served) and read-only inspection.
-RPC_METHODS = frozenset({STAGE_RPC, "deltasync_status", "deltasync_digests", SHARE_RPC})
+RPC_METHODS = frozenset(
+    {STAGE_RPC, "deltasync_status", "deltasync_digests", "deltasync_engine_digests", SHARE_RPC}
+)
 # HTTP status of a refusal by its error type: the replica cannot take that version as it stands
 # (409), or the bucket failed (502); anything else is the server's fault (500).
 _DEATH_POLL_S = 0.5  # how often a call in flight checks that the engine still lives

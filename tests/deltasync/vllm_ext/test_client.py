@@ -3,6 +3,7 @@ a failed attempt), including a server that dies halfway through a response."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -71,3 +72,27 @@ def test_broken_answers_are_replica_errors(answering, reply, message):
     client = answering(reply)
     with pytest.raises(ReplicaError, match=message):
         client.request("POST", "/deltasync/sync", {"version": 1})
+
+
+def _rpc_reply(results: list) -> bytes:
+    body = json.dumps({"results": results}).encode()
+    head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+    return head.encode() + b"\r\n\r\n" + body
+
+
+def test_engine_digests_are_each_workers(answering):
+    workers = [{"version": 3, "digests": {"a.weight": "01"}}, {"version": 3, "digests": {}}]
+    assert answering(_rpc_reply(workers)).engine_digests() == (3, [{"a.weight": "01"}, {}])
+
+
+@pytest.mark.parametrize(
+    ("results", "message"),
+    [
+        ([{"version": 3, "digests": {}}, {"version": 4, "digests": {}}], "different versions"),
+        ([{"version": 3, "digests": {}}, None], "sent no digests"),
+    ],
+    ids=["versions-differ", "a-worker-silent"],
+)
+def test_engine_digests_refuse_workers_that_disagree(answering, results, message):
+    with pytest.raises(ReplicaError, match=message):
+        answering(_rpc_reply(results)).engine_digests()
