@@ -87,7 +87,7 @@ def _shapes(model_dir):
     shapes = {}
     for path in model_dir.glob("*.safetensors"):
         with safe_open(path, "pt") as f:
-            shapes.update((k, tuple(f.get_slice(k).get_shape())) for k in f.keys())
+            shapes.update((k, tuple(f.get_slice(k).get_shape())) for k in list(f.keys()))
     return shapes
 
 
