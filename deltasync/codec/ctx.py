@@ -331,8 +331,11 @@ def encode_changes(
         span = rows[name] if rows is not None else (0, shapes[name][0] if shapes[name] else 1)
         return torch.from_numpy(encode_tensor(changes[name], base[name], shapes[name], span))
 
+    # the most changed tensors first, so that no thread is left with a large one at the end
+    order = sorted(changes, key=lambda n: -changes[n].indices.numel())
     with ThreadPoolExecutor(workers) as pool:
-        return {f"{n}.ctx": blob for n, blob in zip(changes, pool.map(one, changes), strict=True)}
+        blobs = dict(zip(order, pool.map(one, order), strict=True))
+    return {f"{n}.ctx": blobs[n] for n in changes}
 
 
 # --- decoding ----------------------------------------------------------------------------------

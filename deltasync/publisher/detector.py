@@ -5,7 +5,7 @@ only the changes to the host."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -36,6 +36,12 @@ class ChangeDetector(Protocol):
     ) -> Diff:
         """Exact changes of `source` from the state `pending` (handed out, not committed yet)
         leads to, with every tensor's new digest when `digests`."""
+
+    def start_diff(
+        self, source: NamedTensors, pending: Sequence[Diff] = (), *, digests: bool = True
+    ) -> Callable[[], Diff]:
+        """`diff` in two halves: what must read the weights now (the training thread waits for
+        it), the rest when the returned call is made (once, before the next `start_diff`)."""
 
     def advance(self, diff: Diff) -> None:
         """Move to the state `diff` describes, once its version committed."""

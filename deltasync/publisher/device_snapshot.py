@@ -3,23 +3,30 @@
 The host path (`Bf16Snapshot.diff`) copies every parameter to the host as bf16 and scans it there
 on the training thread: on a GPU trainer that is 2 bytes per parameter over PCIe every step. Here
 the compare runs on the parameters' device against a device-resident bf16 reference (2 bytes per
-parameter of device memory), in windows of at most `WINDOW` elements so the transient stays
-bounded, and only the changed elements' int32 window indices and new values cross to the host
-(6 bytes each); their previous values are read from the host mirror. The host mirror of the last
-committed version (a `Bf16Snapshot`) moves in O(changed) through `advance`, in the publisher's
-thread, and is what anchors, digests and resumes read; the device reference never leaves the
-device.
+parameter of device memory, one flat buffer over every tensor), in windows of at most `WINDOW`
+elements so the transient stays bounded, and only the changed elements' int32 window indices and
+new values cross to the host (6 bytes each); their previous values are read from the host mirror.
 
-The device reference holds the state of the last version handed out (committed or still in
-flight), which is what the host path reconstructs from its `pending` overlay; when the publisher
-drops in-flight versions after a failure (`pending` shorter than the diffs not yet advanced), the
-reference is reloaded from the host mirror once.
+On a GPU what costs is each time the host waits for the device (a result whose size depends on
+values, a number read back, a copy to the host), not bandwidth: a diff waits a constant number of
+times whatever the model's size (`DeviceSnapshot.start_diff`: the windows' counts, then one
+compaction into a preallocated buffer; the copies to the host run on a stream of their own and
+the publisher's worker waits for them). `bench.host_waits` counts those operations on CPU tensors.
+
+The host mirror of the last committed version (a `Bf16Snapshot`) moves in O(changed) through
+`advance`, in the publisher's thread, and is what anchors, digests and resumes read; the device
+reference never leaves the device. It holds the state of the last version handed out (committed
+or still in flight), which is what the host path reconstructs from its `pending` overlay; when
+the publisher drops in-flight versions after a failure (`pending` shorter than the diffs not yet
+advanced), the reference is reloaded from the host mirror once.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -50,10 +57,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TRANSIENT_BYTES = 17
+TRANSIENT_BYTES = 21
 """Device bytes per window element one compare may hold at worst (every element changed): the
-window's bf16 (2) and a mask (1), nonzero's int64 indices (8), their int32 copy (4), the new
-values (2)."""
+pieces of tensors a window spans joined (4, fp32), its bf16 (2) and a mask (1), the changed
+elements' int64 indices (8), their int32 copy (4), the new values (2). The buffer of a step's
+changed elements (6 bytes each) comes on top, within `DeviceSnapshot`'s `compact_bytes`."""
 
 FreeBytes = Callable[[torch.device], int | None]
 ToHost = Callable[[torch.Tensor], torch.Tensor]
@@ -129,8 +137,14 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
 class DeviceSnapshot:
     """A `Bf16Snapshot` (the host mirror) plus a bf16 reference on the parameters' device.
 
-    `window` bounds the elements compared at a time; every copy to the host goes through
-    `to_host` (tests count its bytes). A `detector.ChangeDetector`.
+    The reference is one flat buffer over every tensor (the host mirror's order), compared in
+    windows of at most `window` elements that may span several tensors, so the number of
+    launches follows the model's size, not its tensor count. A diff waits on the device a
+    constant number of times (`diff`). Every copy to the host goes through `to_host` (tests
+    count its bytes). `compact_bytes` caps the device buffer of changed elements (6 bytes
+    each; default: half the device's free memory, unlimited where torch cannot tell); a step
+    that needs more is compared window by window instead, which says so in one log line.
+    A `detector.ChangeDetector`.
     """
 
     hashes_inline = False
@@ -142,6 +156,8 @@ class DeviceSnapshot:
         *,
         window: int = WINDOW,
         to_host: ToHost = _to_host,
+        compact_bytes: int | None = None,
+        free_bytes: FreeBytes = device_free_bytes,
     ):
         if window < 1 or window > 2**31:
             raise ValueError(f"window must be in [1, 2**31] (int32 indices), got {window}")
@@ -149,13 +165,28 @@ class DeviceSnapshot:
         self.device = normalize_device(device)
         self.window = window
         self._to_host = to_host
-        self._reference: dict[str, torch.Tensor] | None = None  # loaded from `host` on demand
+        self._compact_bytes = compact_bytes
+        self._free_bytes = free_bytes
+        names = list(host.tensors)
+        sizes = np.array([host.tensors[n].numel() for n in names], np.int64)
+        self._names = names
+        self._starts = np.concatenate(([0], np.cumsum(sizes)))  # each tensor's flat offset
+        self._reference: torch.Tensor | None = None  # loaded from `host` on demand
+        self._found: torch.Tensor | None = None  # int32 window indices, grown on demand
+        self._values: torch.Tensor | None = None  # bf16 new values, as many
         self._ahead = 0  # diffs handed out and not advanced yet
+        self._stream: torch.cuda.Stream | None = None  # the copies to the host (CUDA)
+        self._copied: torch.cuda.Event | None = None  # when the last of them is done
 
     @property
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """The host mirror: the bf16 state of the last committed version."""
         return self.host.tensors
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Device bytes held for the changed elements between steps (6 each)."""
+        return 0 if self._found is None else 6 * self._found.numel()
 
     def diff(
         self, source: NamedTensors, pending: Sequence[Diff] = (), *, digests: bool = True
@@ -163,87 +194,207 @@ class DeviceSnapshot:
         """Exact per-tensor changes of `source` from the last version handed out: what
         `Bf16Snapshot.diff` returns for the same arguments. `digests` hashes the host mirror
         with the changes applied (the publisher passes False and hashes in its own thread)."""
+        return self.start_diff(source, pending, digests=digests)()
+
+    def start_diff(
+        self, source: NamedTensors, pending: Sequence[Diff] = (), *, digests: bool = True
+    ) -> Callable[[], Diff]:
+        """`diff` in two halves: the compare now, the changes on the host later (call the
+        result, once, in the thread that needs them; before the next `start_diff`).
+
+        On the device: one pass counts each window's changed elements (one copy of the counts
+        to the host: the only wait here), a second writes the changed elements' window indices
+        and new values into one preallocated buffer (`nonzero_static`: no wait) and moves the
+        reference. The buffer's used part then comes to pinned host memory on a stream of its
+        own (CUDA) and the returned call waits for it; elsewhere the call copies it. The
+        previous values come from the host mirror."""
         if len(pending) != self._ahead:  # in-flight versions were dropped: back to committed
             self._reference, self._ahead = None, len(pending)
             if pending:
                 raise FormatError("the device reference cannot rewind to a pending version")
-        items = named_tensors(source)
-        check_names(items, self.host.tensors)
-        reference = self._reference_tensors()
-        overlay = fold_pending(pending)
-        changes = {}
+        tensors = self._checked(source)
+        reference = self._reference_buffer()
         with torch.no_grad():
-            for name, tensor in items:
-                committed = self.host.tensors[name]
-                if tuple(tensor.shape) != tuple(committed.shape):
-                    raise FormatError(
-                        f"shape changed from {tuple(committed.shape)} to {tuple(tensor.shape)}",
-                        tensor=name,
-                    )
-                if normalize_device(tensor.device) != self.device:
-                    raise FormatError(f"on {tensor.device}, not {self.device}", tensor=name)
-                change = self._changed(reference[name], tensor, committed, overlay.get(name))
-                if change is not None:
-                    changes[name] = change
+            changed = self._changed(tensors, reference)
         self._ahead += 1
+        overlay = fold_pending(pending)
         shapes = {name: tuple(t.shape) for name, t in self.host.tensors.items()}
-        diff = Diff(changes, {}, shapes)
-        if not digests:
-            return diff
-        base: Mapping[str, torch.Tensor] = self.host.tensors  # committed: fold the pending in
-        for earlier in pending:
-            base = state_after(base, earlier)
-        return Diff(changes, digests_after(base, diff), shapes)
+
+        def finish() -> Diff:
+            at, values = changed()
+            diff = Diff(self._split(at, values, overlay), {}, shapes)
+            if not digests:
+                return diff
+            base: Mapping[str, torch.Tensor] = self.host.tensors  # committed: fold pending in
+            for earlier in pending:
+                base = state_after(base, earlier)
+            return replace(diff, digests=digests_after(base, diff))
+
+        return finish
 
     def advance(self, diff: Diff) -> None:
         """Move the host mirror to the version `diff` leads to (once it committed)."""
         self.host.advance(diff)
         self._ahead = max(0, self._ahead - 1)
 
-    def _reference_tensors(self) -> dict[str, torch.Tensor]:
+    def _checked(self, source: NamedTensors) -> list[torch.Tensor]:
+        """`source`'s tensors, flat, in the host mirror's order, each checked against it."""
+        items = named_tensors(source)
+        check_names(items, self.host.tensors)
+        by_name = dict(items)
+        out = []
+        for name in self._names:
+            tensor, committed = by_name[name], self.host.tensors[name]
+            if tuple(tensor.shape) != tuple(committed.shape):
+                raise FormatError(
+                    f"shape changed from {tuple(committed.shape)} to {tuple(tensor.shape)}",
+                    tensor=name,
+                )
+            if normalize_device(tensor.device) != self.device:
+                raise FormatError(f"on {tensor.device}, not {self.device}", tensor=name)
+            out.append(tensor.detach().reshape(-1))
+        return out
+
+    def _reference_buffer(self) -> torch.Tensor:
         if self._reference is None:
-            self._reference = {
-                name: t.to(self.device, copy=True).reshape(-1)
-                for name, t in self.host.tensors.items()
-            }
+            flat = [t.reshape(-1) for t in self.host.tensors.values()]
+            joined = torch.cat(flat) if flat else torch.empty(0, dtype=torch.bfloat16)
+            self._reference = joined.to(self.device)  # a new tensor already: no second copy
         return self._reference
 
+    def _windows(self, tensors: list[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(start, the new bf16 values of the flat elements [start, start + window)): one
+        window may hold the end of a tensor and the start of the next ones."""
+        total = int(self._starts[-1])
+        for start in range(0, total, self.window):
+            stop = min(start + self.window, total)
+            first = int(np.searchsorted(self._starts, start, side="right")) - 1
+            pieces = []
+            index = first
+            while index < len(tensors) and self._starts[index] < stop:
+                lo = max(start, int(self._starts[index])) - int(self._starts[index])
+                hi = min(stop, int(self._starts[index + 1])) - int(self._starts[index])
+                if hi > lo:
+                    pieces.append(tensors[index][lo:hi])
+                index += 1
+            if len(pieces) > 1 and len({p.dtype for p in pieces}) > 1:
+                pieces = [to_bf16(p) for p in pieces]  # mixed dtypes
+            joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            yield start, to_bf16(joined)
+
     def _changed(
+        self, tensors: list[torch.Tensor], reference: torch.Tensor
+    ) -> Callable[[], tuple[np.ndarray, torch.Tensor]]:
+        """The reference moved to the new values; returns the call that gives the changed
+        elements' global flat indices (int64, ascending) and new values on the host."""
+        counts = [
+            (new.view(torch.int16) != reference[start : start + new.numel()].view(torch.int16))
+            .count_nonzero()
+            .reshape(1)
+            for start, new in self._windows(tensors)
+        ]
+        if not counts:
+            return lambda: (np.empty(0, np.int64), torch.empty(0, dtype=torch.bfloat16))
+        per_window = self._to_host(torch.cat(counts)).numpy()  # the one wait before the copies
+        total, budget = int(per_window.sum()), self._budget()
+        if 6 * total > budget:
+            log.info(
+                "change detection: %d changed elements need %.2f GiB of device buffer, over "
+                "the budget: compared window by window this step",
+                total,
+                6 * total / 2**30,
+            )
+            found = self._changed_by_window(tensors, reference)
+            return lambda: found
+        if self._found is None or self._values is None or total > self._found.numel():
+            grown = 0 if self._found is None else self._found.numel() * 5 // 4
+            room = max(total, int(min(grown, budget // 6)))  # a little ahead, within budget
+            self._found = torch.empty(room, dtype=torch.int32, device=self.device)
+            self._values = torch.empty(room, dtype=torch.bfloat16, device=self.device)
+        if self._copied is not None:  # the last diff's copies read the buffers: wait, on device
+            torch.cuda.current_stream(self.device).wait_event(self._copied)
+        put = 0
+        for (start, new), count in zip(self._windows(tensors), per_window.tolist(), strict=True):
+            if count == 0:
+                continue  # its reference already holds these values
+            window = reference[start : start + new.numel()]
+            changed = new.view(torch.int16) != window.view(torch.int16)
+            local = torch.nonzero_static(changed, size=count).squeeze(1)
+            self._found[put : put + count] = local.to(torch.int32)
+            self._values[put : put + count] = new[local]
+            window.copy_(new)  # a dense write of the window: no scatter, no index kept
+            put += count
+        copied = self._copy_later(self._found[:total], self._values[:total])
+        starts = np.repeat(np.arange(0, int(self._starts[-1]), self.window), per_window)
+
+        def on_host() -> tuple[np.ndarray, torch.Tensor]:
+            local, values = copied()
+            return local.to(torch.int64).numpy() + starts, values
+
+        return on_host
+
+    def _copy_later(self, *tensors: torch.Tensor) -> Callable[[], tuple[torch.Tensor, ...]]:
+        """Copies of device `tensors` on the host, for later: on CUDA into pinned memory on a
+        stream of its own (the training stream goes on), waited for by the call; elsewhere
+        made by the call (`to_host`)."""
+        if self.device.type != "cuda":
+            return lambda: tuple(self._to_host(t) for t in tensors)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        for tensor in tensors:  # a buffer replaced meanwhile stays allocated until copied
+            tensor.record_stream(self._stream)
+        with torch.cuda.stream(self._stream):
+            copies = tuple(torch.empty_like(t, device="cpu", pin_memory=True) for t in tensors)
+            for copy, tensor in zip(copies, tensors, strict=True):
+                copy.copy_(tensor, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        self._copied = done
+
+        def wait() -> tuple[torch.Tensor, ...]:
+            done.synchronize()
+            return copies
+
+        return wait
+
+    def _changed_by_window(
+        self, tensors: list[torch.Tensor], reference: torch.Tensor
+    ) -> tuple[np.ndarray, torch.Tensor]:
+        """The same, a window at a time (a wait per window; no buffer of every change)."""
+        indices, values = [np.empty(0, np.int64)], [torch.empty(0, dtype=torch.bfloat16)]
+        for start, new in self._windows(tensors):
+            window = reference[start : start + new.numel()]
+            local = (new.view(torch.int16) != window.view(torch.int16)).nonzero().squeeze(1)
+            if local.numel():
+                indices.append(self._to_host(local.to(torch.int32)).to(torch.int64).numpy() + start)
+                values.append(self._to_host(new[local]))
+                window.copy_(new)
+        return np.concatenate(indices), torch.cat(values)
+
+    def _budget(self) -> float:
+        if self._compact_bytes is not None:
+            return self._compact_bytes
+        free = self._free_bytes(self.device)
+        return math.inf if free is None else free / 2
+
+    def _split(
         self,
-        reference: torch.Tensor,
-        tensor: torch.Tensor,
-        committed: torch.Tensor,
-        pending: tuple[np.ndarray, np.ndarray] | None,
-    ) -> TensorChange | None:
-        """Compare window by window on the device and move the reference; the indices (int64,
-        offset on the host) and new values come over, the previous values from the host."""
-        flat = tensor.detach().reshape(-1)
-        indices, values = [], []
-        for start in range(0, flat.numel(), self.window):
-            stop = start + self.window
-            found = _changed_on_device(reference[start:stop], flat[start:stop])
-            if found is not None:
-                local, new = (self._to_host(t) for t in found)
-                indices.append(local.to(torch.int64).add_(start))
-                values.append(new)
-        if not indices:
-            return None
-        at = torch.cat(indices)
-        return TensorChange(at, torch.cat(values), _previous(committed, at, pending))
-
-
-def _changed_on_device(
-    reference: torch.Tensor, window: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """One window compared on the device: its changed elements' int32 local indices and new
-    bf16 values (still on the device), None when none changed; the reference takes the window."""
-    new = to_bf16(window)
-    local = (new.view(torch.int16) != reference.view(torch.int16)).nonzero().squeeze(1)
-    if local.numel() == 0:
-        return None
-    values = new[local]
-    reference.copy_(new)  # a dense write of the window: no scatter, no index kept
-    return local.to(torch.int32), values
+        at: np.ndarray,
+        values: torch.Tensor,
+        overlay: dict[str, tuple[np.ndarray, np.ndarray]],
+    ) -> dict[str, TensorChange]:
+        """Per-tensor changes from global flat indices, each with its previous values."""
+        bounds = np.searchsorted(at, self._starts)
+        changes = {}
+        for i, name in enumerate(self._names):
+            lo, hi = int(bounds[i]), int(bounds[i + 1])
+            if hi == lo:
+                continue
+            local = torch.from_numpy(at[lo:hi] - self._starts[i])
+            previous = _previous(self.host.tensors[name], local, overlay.get(name))
+            changes[name] = TensorChange(local, values[lo:hi].clone(), previous)
+        return changes
 
 
 def _previous(

@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -128,6 +129,14 @@ class _Job:
     enqueued_at: float
     uploaded: list[str] = field(default_factory=list)  # removed again if it is not committed
     settled: threading.Event = field(default_factory=threading.Event)  # worker done with it
+    finish: Callable[[], Diff] | None = None  # the diff's second half (`start_diff`), not run yet
+
+    def finished(self) -> Diff | None:
+        """The diff, its second half run first if it has not been (under the publisher's lock:
+        the worker and the next `publish` may both ask)."""
+        if self.finish is not None:
+            self.diff, self.finish = self.finish(), None
+        return self.diff
 
 
 class Publisher:
@@ -207,6 +216,7 @@ class Publisher:
         if self._worker is None:
             self._start()
         with self._lock:
+            finish = None  # the first version has no diff: the snapshot itself is published
             if self._snapshot is None:
                 captured = Bf16Snapshot.capture(source)
                 if not captured.tensors:
@@ -214,15 +224,16 @@ class Publisher:
                         "the model has no tensors to publish (an empty state dict, or a module "
                         "whose parameters were not built yet)"
                     )
-                self._snapshot, diff = self._detector(captured, source), None
+                self._snapshot = self._detector(captured, source)
             else:
                 if self._resumed is not None:
                     self._snapshot = self._detector(self._resumed, source)
-                pending = [j.diff for j in self._pending if j.diff]
+                pending = [d for j in self._pending if (d := j.finished()) is not None]
                 inline = self.shards is None and self._snapshot.hashes_inline
-                diff = self._snapshot.diff(source, pending, digests=inline)
+                finish = self._snapshot.start_diff(source, pending, digests=inline)
             version = (self.committed_version or 0) + len(self._pending) + 1
-            job = _Job(version, diff, Future(), time.perf_counter() - started, time.time())
+            diff_s = time.perf_counter() - started  # what the training thread waited
+            job = _Job(version, None, Future(), diff_s, time.time(), finish=finish)
             self._pending.append(job)
             self._last = job
         self._queue.put(job)
@@ -461,6 +472,8 @@ class Publisher:
     def _write(self, job: _Job) -> tuple[_Written, dict[str, StateDigest]]:
         """Encode and upload this publisher's delta of the version (its rows of it when
         sharded) and, by policy, its anchor."""
+        with self._lock:  # the changes reach the host here, off the training thread
+            job.finished()
         cfg, snapshot, layout = self.config, self._snapshot, self._layout
         assert snapshot is not None
         part = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -59,8 +59,9 @@ def canonical_nan(converted: torch.Tensor) -> torch.Tensor:
     """`converted`, a bf16 conversion the caller owns, with every NaN rewritten in place to
     `NAN_BITS` 0x7FC0: torch's own NaN depends on the device and the CPU kernel (0x7FC0 scalar,
     0xFFFF vectorised AVX-512, 0x7FFF CUDA), and digests and the scan compare bits."""
-    # a finite sum holds no NaN: one cheap pass instead of a mask (on a device it would sync)
-    if converted.device.type == "cpu" and bool(converted.sum().isfinite()):
+    # a finite sum holds no NaN: one cheap pass instead of a mask, on the CPU only (on a device
+    # reading the sum back would make the host wait); read through numpy, no torch op
+    if converted.device.type == "cpu" and np.isfinite(converted.sum().float().numpy()):
         return converted
     bits = converted.view(torch.int16)
     return bits.masked_fill_(converted.isnan(), NAN_BITS).view(torch.bfloat16)
@@ -263,6 +264,13 @@ class Bf16Snapshot:
         hashes = {name: digest for name, _, digest in results if digest is not None}
         shapes = {name: tuple(t.shape) for name, t in self._tensors.items()}
         return Diff(changes, hashes, shapes)
+
+    def start_diff(
+        self, source: NamedTensors, pending: Sequence[Diff] = (), *, digests: bool = True
+    ) -> Callable[[], Diff]:
+        """`diff` for a caller that takes the result later: the host scan has it at once."""
+        diff = self.diff(source, pending, digests=digests)
+        return lambda: diff
 
     def advance(self, diff: Diff) -> None:
         """Move the snapshot to the state the diff describes (call once the publish committed)."""

@@ -51,6 +51,7 @@ def test_dry_run_runs_every_part_on_cpu_tensors(tmp_path):
     for row in detect["densities"]:
         assert abs(row["density"] - row["target_density"]) < 0.1 * row["target_density"] + 1e-3
         assert {"wall_s", "host_waits", "synchronize_calls", "bytes_to_host"} <= set(row["device"])
+        assert {"wall_s", "host_waits", "bytes_to_host"} <= set(row["worker"])  # the copies
     (at_host,) = [r for r in detect["densities"] if "host" in r]
     assert at_host["host_equals_device"] and detect["host_path"]["wall_s"] > 0
     assert "crossover_density" in detect

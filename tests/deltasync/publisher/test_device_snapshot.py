@@ -6,7 +6,9 @@ makes, compared with the host path's compiled scan.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 
 import pytest
 import torch
@@ -14,10 +16,10 @@ from model_steps import AdamWLoop
 from safetensors.torch import load
 from test_publisher import FlakyStore, _equal
 
+from bench.host_waits import HostWaits
 from bench.models.qwen3 import tiny_qwen3
 from deltasync.errors import FormatError, PublishError
 from deltasync.kernels.changes import Diff
-from deltasync.publisher import device_snapshot
 from deltasync.publisher import publisher as publisher_module
 from deltasync.publisher.device_snapshot import (
     TRANSIENT_BYTES,
@@ -237,8 +239,9 @@ def _random_steps(generator: torch.Generator, state: dict[str, torch.Tensor], bo
 
 @pytest.mark.parametrize("lag", [0, 2])
 def test_windowed_detection_equals_the_host_path_over_random_states(lag, monkeypatch):
-    """Windows of 1000 over tensors of 5000 (and odd sizes), changes at every window border,
-    versions in flight: the same diffs, bit for bit, and no window longer than asked."""
+    """Windows of 1000 over tensors of 5000 (and odd sizes; the last window spans two
+    tensors), changes at every window border, versions in flight: the same diffs, bit for bit,
+    and no window longer than asked."""
     generator = torch.Generator().manual_seed(lag)
     state = {
         "flat": torch.randn(5000, generator=generator),
@@ -248,12 +251,14 @@ def test_windowed_detection_equals_the_host_path_over_random_states(lag, monkeyp
     }
     borders = [b + d for b in range(0, 5001, 1000) for d in (-1, 0, 1) if b + d >= 0]
     lengths: list[int] = []
-    compare = device_snapshot._changed_on_device
-    monkeypatch.setattr(
-        device_snapshot,
-        "_changed_on_device",
-        lambda ref, window: lengths.append(window.numel()) or compare(ref, window),
-    )
+    windows = DeviceSnapshot._windows
+
+    def recorded(self, tensors):
+        for start, new in windows(self, tensors):
+            lengths.append(new.numel())
+            yield start, new
+
+    monkeypatch.setattr(DeviceSnapshot, "_windows", recorded)
     host = Bf16Snapshot.capture(state)
     device = DeviceSnapshot(Bf16Snapshot.capture(state), CPU, window=1000)
     pending: list[tuple[Diff, Diff]] = []
@@ -269,14 +274,15 @@ def test_windowed_detection_equals_the_host_path_over_random_states(lag, monkeyp
             h, d = pending.pop(0)
             host.advance(h)
             device.advance(d)
-    assert max(lengths) == 1000
+    assert max(lengths) == 1000 and lengths[-1] == 12508 % 1000  # 'odd' and 'small' together
     assert {b for b in borders if b < 5000} <= seen
     for name, tensor in host.tensors.items():
         assert torch.equal(device.tensors[name].view(torch.int16), tensor.view(torch.int16))
 
 
 def test_at_most_6_bytes_per_changed_element_reach_the_host():
-    """An int32 window index and the bf16 value; the previous value is read on the host."""
+    """An int32 window index and the bf16 value (and each window's count, int64); the previous
+    value is read on the host."""
     crossed: list[torch.Tensor] = []
 
     def to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -293,8 +299,11 @@ def test_at_most_6_bytes_per_changed_element_reach_the_host():
         want, got = host.diff(model), device.diff(model)
         assert_same_diff(got, want)
         assert got.changed_elements > 0
-        assert {t.dtype for t in crossed} == {torch.int32, torch.bfloat16}
-        assert sum(t.numel() * t.element_size() for t in crossed) == 6 * got.changed_elements
+        counts, found, values = crossed
+        windows = -(-sum(t.numel() for t in host.tensors.values()) // 4096)
+        assert (counts.dtype, counts.numel()) == (torch.int64, windows)
+        assert (found.dtype, values.dtype) == (torch.int32, torch.bfloat16)
+        assert found.numel() == values.numel() == got.changed_elements
         host.advance(want)
         device.advance(got)
 
@@ -343,3 +352,117 @@ def test_the_publisher_chooses_and_logs_its_detection_once(tmp_path, monkeypatch
     assert [r.getMessage() for r in caplog.records if "change detection" in r.getMessage()] == [
         "change detection: host (auto: the parameters are on the CPU)"
     ]
+
+
+def _copying(crossed: list[torch.Tensor]):
+    def to_host(tensor: torch.Tensor) -> torch.Tensor:
+        crossed.append(tensor)
+        return tensor.to("cpu", copy=True)
+
+    return to_host
+
+
+@pytest.mark.parametrize("density", [0.0, 1e-4, 0.02, 0.3, 1.0])
+def test_a_diff_waits_on_the_device_at_most_4_times_at_any_size_and_density(density):
+    """Tensors of many sizes in windows of 1000 (about 60 windows, most spanning tensors):
+    one copy of the windows' counts and two of the changes, nothing else that waits; the
+    same diff as the host path, bit for bit."""
+    generator = torch.Generator().manual_seed(int(density * 1000))
+    sizes = [7, 1, 4096, 300, 2**14, 999, 1001, 3, 25_000, 12]
+    state = {f"t{i}": torch.randn(n, generator=generator) for i, n in enumerate(sizes)}
+    crossed: list[torch.Tensor] = []
+    host = Bf16Snapshot.capture(state)
+    device = DeviceSnapshot(
+        Bf16Snapshot.capture(state), CPU, window=1000, to_host=_copying(crossed)
+    )
+    for _ in range(2):
+        for tensor in state.values():
+            moved = torch.rand(tensor.shape, generator=generator) < density
+            tensor[moved] += 1.0
+        want = host.diff(state)
+        crossed.clear()
+        with HostWaits() as waits:
+            got = device.diff(state, digests=False)
+        assert waits.count + len(crossed) <= 4, (waits.count, len(crossed))
+        assert_same_diff(got, Diff(want.changes, {}, want.shapes))
+        host.advance(want)
+        device.advance(got)
+
+
+def test_real_adamw_steps_wait_a_constant_number_of_times():
+    crossed: list[torch.Tensor] = []
+    model = tiny_qwen3(seed=7)
+    loop = AdamWLoop(model, lr=3e-4)
+    host = Bf16Snapshot.capture(model)
+    device = DeviceSnapshot(
+        Bf16Snapshot.capture(model), CPU, window=2048, to_host=_copying(crossed)
+    )
+    for _ in range(3):
+        loop.step()
+        want = host.diff(model)
+        crossed.clear()
+        with HostWaits() as waits:
+            got = device.diff(model, digests=False)
+        assert waits.count + len(crossed) == 3
+        assert_same_diff(got, Diff(want.changes, {}, want.shapes))
+        host.advance(want)
+        device.advance(got)
+
+
+def test_a_step_over_the_buffer_budget_is_compared_window_by_window_and_says_so(caplog):
+    """6 bytes a changed element over `compact_bytes`: the windowed compare, the same diff."""
+    generator = torch.Generator().manual_seed(11)
+    state = {"a": torch.randn(5000, generator=generator), "b": torch.randn(3, 700)}
+    host = Bf16Snapshot.capture(state)
+    device = DeviceSnapshot(Bf16Snapshot.capture(state), CPU, window=1000, compact_bytes=6 * 100)
+    caplog.set_level(logging.INFO, logger="deltasync.publisher.device_snapshot")
+    for moved in (50, 3000, 60):  # under, over, under the budget of 100 changed elements
+        state["a"][torch.randperm(5000, generator=generator)[:moved]] += 1.0
+        want, got = host.diff(state), device.diff(state)
+        assert_same_diff(got, want)
+        host.advance(want)
+        device.advance(got)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "3000 changed elements" in lines[0]
+    assert "window by window" in lines[0]
+
+
+def test_the_changes_reach_the_host_in_the_publishers_thread(tmp_path, monkeypatch):
+    """`publish` waits for the compare and the windows' counts only: the changes' copy to the
+    host (on CUDA: pinned memory, a stream of its own) and their split run in the publisher's
+    worker; the versions it commits are the host mode's."""
+    crossed: list[tuple[bool, torch.dtype]] = []
+
+    def to_host(tensor: torch.Tensor) -> torch.Tensor:
+        crossed.append((threading.current_thread() is threading.main_thread(), tensor.dtype))
+        return tensor.to("cpu", copy=True)
+
+    snapshot = functools.partial(DeviceSnapshot, to_host=to_host)
+    monkeypatch.setattr(publisher_module, "DeviceSnapshot", snapshot)
+    model = tiny_qwen3(seed=9)
+    loop = AdamWLoop(model, lr=3e-4)
+    host = Bf16Snapshot.capture(model)
+    with _publisher(LocalStore(tmp_path)) as publisher:
+        publisher.publish(model).result(timeout=60)
+        for _ in range(2):
+            loop.step()
+            want = host.diff(model)
+            record = publisher.publish(model).result(timeout=60)
+            assert record.changed_elements == want.changed_elements > 0
+            host.advance(want)
+    in_worker = [(False, torch.int32), (False, torch.bfloat16)]
+    assert crossed == [(True, torch.int64), *in_worker] * 2
+
+
+def test_the_buffer_of_changes_grows_with_the_steps_and_stays_within_its_budget():
+    generator = torch.Generator().manual_seed(13)
+    state = {"a": torch.randn(4000, generator=generator), "b": torch.randn(2000)}
+    budget = 6 * 1000
+    device = DeviceSnapshot(Bf16Snapshot.capture(state), CPU, window=512, compact_bytes=budget)
+    sizes = []
+    for moved in (10, 300, 900, 1000, 200):
+        state["a"][torch.randperm(4000, generator=generator)[:moved]] += 1.0
+        device.advance(device.diff(state, digests=False))
+        sizes.append(device.buffer_bytes // 6)
+        assert device.buffer_bytes <= budget
+    assert sizes == sorted(sizes) and sizes[0] >= 10 and sizes[-1] == 1000
