@@ -56,6 +56,8 @@ BENCH = [
     ("bench.anchors", ["--levels", "0"], "argument --levels: expected a zstd level in 1..22"),
     ("bench.sharded", ["--shape", "qwen3-huge"], "argument --shape: invalid choice"),
     ("bench.tp_slices", ["--sizes", "0"], "argument --sizes: expected an integer >= 1"),
+    ("bench.detection", ["--real", "qwen3-tiny", "--steps", "0"], "argument --steps: expected"),
+    ("bench.detection", [], "give --real SHAPE, --synthetic SHAPE or both"),
     ("bench.gpu", ["--device", "tpu:0"], "argument --device: expected"),
     ("bench.gpu_digest", ["--density", "1.5"], "argument --density: expected a number in (0, 1)"),
     ("bench.wordle_load", ["--url", "ws:/nowhere"], "argument --url: expected http://HOST[:PORT]"),
