@@ -217,12 +217,11 @@ class DeviceSnapshot:
         with torch.no_grad():
             changed = self._changed(tensors, reference)
         self._ahead += 1
-        overlay = fold_pending(pending)
         shapes = {name: tuple(t.shape) for name, t in self.host.tensors.items()}
 
-        def finish() -> Diff:
+        def finish() -> Diff:  # host work only: the publisher's worker runs it
             at, values = changed()
-            diff = Diff(self._split(at, values, overlay), {}, shapes)
+            diff = Diff(self._split(at, values, fold_pending(pending)), {}, shapes)
             if not digests:
                 return diff
             base: Mapping[str, torch.Tensor] = self.host.tensors  # committed: fold pending in
